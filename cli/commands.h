@@ -1,0 +1,12 @@
+// The `kernmap` subcommands. Each takes the arguments after its name and returns the process exit code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kernmap::cli {
+
+int kernels_command(const std::vector<std::string>& args);
+int bench_command(const std::vector<std::string>& args);
+
+}  // namespace kernmap::cli

@@ -1,0 +1,40 @@
+// kernmap: what is registered and what resolves on this machine, and kernel benchmarks.
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: kernmap <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  kernels [--json]                       registered kernels and what each layer resolves to here\n"
+    "  bench ops [--json] [--filter REGEX]    kernmap kernels against the reference, with GB/s and % of\n"
+    "            [--warmup N] [--reps N]      the machine's measured copy bandwidth\n"
+    "\n"
+    "environment: KERNMAP_DISABLE=all|Layer,...  KERNMAP_LOG=1  KERNMAP_CPU_ISA=baseline|avx2|avx512\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
+    std::fputs(kUsage, args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  try {
+    if (command == "kernels") return kernmap::cli::kernels_command(args);
+    if (command == "bench") return kernmap::cli::bench_command(args);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kernmap %s: %s\n", command.c_str(), e.what());
+    return 1;
+  }
+  std::fprintf(stderr, "kernmap: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+  return 2;
+}

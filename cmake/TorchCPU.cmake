@@ -1,0 +1,25 @@
+# Locates LibTorch inside the pinned PyPI torch wheel and defines the imported target kernmap::torch_cpu
+# (torch_cpu + c10, their include folders, the wheel's C++ ABI). The wheel's own TorchConfig.cmake looks for a
+# CUDA toolkit of the version torch was built with; CPU targets do not need it, so it is not used here.
+set(KERNMAP_PYTHON "python3" CACHE FILEPATH "Python interpreter of the environment that holds torch")
+execute_process(
+  COMMAND "${KERNMAP_PYTHON}" -c
+    "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch.compiled_with_cxx11_abi())); print(torch.__version__)"
+  OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _torch_rc)
+if(NOT _torch_rc EQUAL 0)
+  message(FATAL_ERROR "kernmap: cannot import torch with KERNMAP_PYTHON=${KERNMAP_PYTHON}; run scripts/setup")
+endif()
+string(REPLACE "\n" ";" _torch_info "${_torch_info}")
+list(GET _torch_info 0 KERNMAP_TORCH_DIR)
+list(GET _torch_info 1 KERNMAP_TORCH_CXX11_ABI)
+list(GET _torch_info 2 KERNMAP_TORCH_VERSION)
+message(STATUS "kernmap: torch ${KERNMAP_TORCH_VERSION} at ${KERNMAP_TORCH_DIR}")
+
+set(KERNMAP_TORCH_LIB_DIR "${KERNMAP_TORCH_DIR}/lib")
+add_library(kernmap_torch_cpu INTERFACE)
+add_library(kernmap::torch_cpu ALIAS kernmap_torch_cpu)
+target_include_directories(kernmap_torch_cpu SYSTEM INTERFACE
+  "${KERNMAP_TORCH_DIR}/include" "${KERNMAP_TORCH_DIR}/include/torch/csrc/api/include")
+target_link_libraries(kernmap_torch_cpu INTERFACE
+  "${KERNMAP_TORCH_LIB_DIR}/libtorch_cpu.so" "${KERNMAP_TORCH_LIB_DIR}/libc10.so")
+target_compile_definitions(kernmap_torch_cpu INTERFACE _GLIBCXX_USE_CXX11_ABI=${KERNMAP_TORCH_CXX11_ABI})

@@ -1,0 +1,27 @@
+// kernmap ops for LibTorch users: thin calls through the torch dispatcher (torch.ops.kernmap.* in Python), so
+// autograd, Meta/fake tensors and device dispatch behave as for any torch op.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace kernmap {
+
+/// RMSNorm with the transformers eager math: weight * to(x.dtype)(x_fp32 * rsqrt(mean(x_fp32^2, -1) + eps)).
+/// x: [..., H] floating; weight: [H]. Output dtype: promote(x.dtype, weight.dtype).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+/// SiLU x * sigmoid(x), evaluated in fp32 (fp64 for fp64) and rounded once.
+at::Tensor silu(const at::Tensor& x);
+/// silu(gate) * up, as the gated MLP computes it. gate and up: same shape and dtype.
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
+/// The packed form: gate_up[..., 2I], gate first; returns [..., I].
+at::Tensor swiglu(const at::Tensor& gate_up);
+
+/// The reference kernels (transformers eager math composed of ATen ops).
+namespace reference {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu(const at::Tensor& x);
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor swiglu(const at::Tensor& gate_up);
+}  // namespace reference
+
+}  // namespace kernmap

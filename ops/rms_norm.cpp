@@ -1,0 +1,171 @@
+// kernmap::rms_norm: input checks, the CPU implementation over kernels/cpu, Meta shapes, and autograd.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "include/kernmap/ops.h"
+#include "kernels/cpu/isa.h"
+#include "ops/checks.h"
+
+namespace kernmap::ops {
+namespace {
+
+constexpr const char* kOp = "rms_norm";
+
+// Output dtype of RMSNorm: the promoted dtype of (weight, x) — the HF quirk that fp32 weight with bf16 x
+// yields fp32 is part of the contract.
+at::ScalarType check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_floating(kOp, "x", x);
+  check_floating(kOp, "weight", weight);
+  check_same_device(kOp, "x", x, "weight", weight);
+  TORCH_CHECK(x.dim() >= 1, "kernmap.rms_norm: x must have at least 1 dimension [..., H], got a 0-d tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "kernmap.rms_norm: weight must have shape [",
+              x.size(-1), "] (x's last dimension), got ", weight.sizes());
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "kernmap.rms_norm: eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK(weight.scalar_type() != at::kDouble || x.scalar_type() == at::kDouble,
+              "kernmap.rms_norm: a float64 weight needs float64 x, got x ", x.scalar_type());
+  return at::promote_types(x.scalar_type(), weight.scalar_type());
+}
+
+std::vector<int64_t> row_shape(const at::Tensor& x) {
+  auto s = x.sizes().vec();
+  s.pop_back();
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::ScalarType out_t = check_rms_norm(x, weight, eps);
+  const at::ScalarType acc_t = acc_dtype(x.scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_t));
+  at::Tensor rstd = at::empty(row_shape(x), x.options().dtype(acc_t));
+  const Rows xr = as_rows(x);
+  if (xr.rows == 0) return {y, rstd};
+  const at::Tensor w = weight.to(acc_t).contiguous();
+  const auto& k = cpu::kernel_table();
+  const auto xt = cpu_dtype(x.scalar_type());
+  const auto yt = cpu_dtype(out_t);
+  at::parallel_for(0, xr.rows, row_grain(xr.cols), [&](int64_t r0, int64_t r1) {
+    k.rms_norm_fwd(xt, yt, xr.data(), xr.stride, w.const_data_ptr(), y.data_ptr(), rstd.data_ptr(), r0, r1, xr.cols,
+                   eps);
+  });
+  return {y, rstd};
+}
+
+// dW is summed in a fixed number of row blocks, then across blocks in order: the result does not depend on the
+// thread count.
+constexpr int64_t kWeightGradBlocks = 32;
+
+std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_y, const at::Tensor& x,
+                                                const at::Tensor& weight, const at::Tensor& rstd) {
+  const at::ScalarType out_t = check_rms_norm(x, weight, 0.0);
+  const at::ScalarType acc_t = acc_dtype(x.scalar_type());
+  check_same_shape("rms_norm_backward", "x", x, "grad_y", grad_y);
+  TORCH_CHECK(grad_y.scalar_type() == out_t, "kernmap.rms_norm_backward: grad_y must have the output dtype ", out_t,
+              ", got ", grad_y.scalar_type());
+  check_same_device("rms_norm_backward", "x", x, "grad_y", grad_y);
+  TORCH_CHECK(rstd.scalar_type() == acc_t && rstd.sizes() == at::IntArrayRef(row_shape(x)),
+              "kernmap.rms_norm_backward: rstd must be ", acc_t, " of shape ", row_shape(x), ", got ",
+              rstd.scalar_type(), " ", rstd.sizes());
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  const Rows xr = as_rows(x);
+  const int64_t H = xr.cols;
+  if (xr.rows == 0) return {dx, at::zeros_like(weight)};
+  const Rows gr = as_rows(grad_y);
+  const at::Tensor w = weight.to(acc_t).contiguous();
+  const at::Tensor rs = rstd.contiguous();
+  const int64_t blocks = std::min(kWeightGradBlocks, xr.rows);
+  at::Tensor partial = at::zeros({blocks, H}, x.options().dtype(acc_t));
+  const auto& k = cpu::kernel_table();
+  const auto xt = cpu_dtype(x.scalar_type());
+  const auto yt = cpu_dtype(out_t);
+  const int64_t elem = partial.element_size();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = xr.rows * b / blocks, r1 = xr.rows * (b + 1) / blocks;
+      k.rms_norm_bwd(xt, yt, gr.data(), gr.stride, xr.data(), xr.stride, w.const_data_ptr(), rs.const_data_ptr(),
+                     dx.data_ptr(), static_cast<char*>(partial.data_ptr()) + b * H * elem, r0, r1, H);
+    }
+  });
+  // Columns are independent; the block order within each column is fixed.
+  at::Tensor dw = partial.sum(0);
+  return {dx, dw.to(weight.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::ScalarType out_t = check_rms_norm(x, weight, eps);
+  return {at::empty(x.sizes(), x.options().dtype(out_t)),
+          at::empty(row_shape(x), x.options().dtype(acc_dtype(x.scalar_type())))};
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_meta(const at::Tensor& grad_y, const at::Tensor& x,
+                                                 const at::Tensor& weight, const at::Tensor& rstd) {
+  check_rms_norm(x, weight, 0.0);
+  check_same_shape("rms_norm_backward", "x", x, "grad_y", grad_y);
+  return {at::empty(x.sizes(), x.options()), at::empty(weight.sizes(), weight.options())};
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(forward_cpu(x, weight, eps));
+}
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(forward_meta(x, weight, eps));
+}
+
+auto& forward_op() {
+  static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double)>(
+      "kernmap::rms_norm_forward");
+  return op;
+}
+auto& backward_op() {
+  static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                const at::Tensor&, const at::Tensor&)>(
+      "kernmap::rms_norm_backward");
+  return op;
+}
+
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, rstd] = forward_op().call(x, weight, eps);
+    ctx->save_for_backward({x, weight, rstd});
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dw] = backward_op().call(grads[0], saved[0], saved[1], saved[2]);
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return RmsNormFunction::apply(x, weight, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kernmap, CPU, m) {
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("rms_norm_forward", &forward_cpu);
+  m.impl("rms_norm_backward", &backward_cpu);
+}
+TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
+  m.impl("rms_norm", &rms_norm_meta);
+  m.impl("rms_norm_forward", &forward_meta);
+  m.impl("rms_norm_backward", &backward_meta);
+}
+TORCH_LIBRARY_IMPL(kernmap, Autograd, m) { m.impl("rms_norm", &rms_norm_autograd); }
+
+}  // namespace kernmap::ops
+
+namespace kernmap {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static auto op = ops::op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("kernmap::rms_norm");
+  return op.call(x, weight, eps);
+}
+}  // namespace kernmap

@@ -1,0 +1,72 @@
+// The built-in kernels' descriptors and the default mapping: the one place each built-in kernel is registered
+// with the registry (its torch op is registered in ops/).
+#include <optional>
+#include <string>
+
+#include "include/kernmap/registry.h"
+
+namespace kernmap {
+namespace {
+
+const std::vector<std::string> kFloatDtypes = {"float32", "bfloat16", "float16", "float64"};
+
+std::optional<std::string> needs_rank_at_least_1(const KernelInputs& in) {
+  for (const auto& s : in.shapes)
+    if (s.empty()) return "0-d input (needs [..., H])";
+  return std::nullopt;
+}
+
+KernelDescriptor reference(std::string name, std::string layer, std::string op, std::string what) {
+  return KernelDescriptor{.name = std::move(name),
+                          .layer = std::move(layer),
+                          .devices = {"*"},
+                          .dtypes = kFloatDtypes,
+                          .has_backward = true,
+                          .compile_safe = true,
+                          .deterministic = true,
+                          .op = std::move(op),
+                          .description = std::move(what),
+                          .supports = {}};
+}
+
+KernelDescriptor cpu_kernel(std::string name, std::string layer, std::string op, std::string what) {
+  return KernelDescriptor{.name = std::move(name),
+                          .layer = std::move(layer),
+                          .devices = {"cpu"},
+                          .dtypes = kFloatDtypes,
+                          .has_backward = true,
+                          .compile_safe = true,
+                          .deterministic = true,
+                          .op = std::move(op),
+                          .description = std::move(what),
+                          .supports = needs_rank_at_least_1};
+}
+
+bool register_builtins() {
+  register_kernel(reference("reference/rms_norm", "RMSNorm", "kernmap::reference_rms_norm",
+                            "transformers eager RMSNorm (ATen ops)"));
+  register_kernel(reference("reference/silu", "SiLU", "kernmap::reference_silu", "torch.nn.functional.silu"));
+  register_kernel(reference("reference/silu_and_mul", "SiluAndMul", "kernmap::reference_silu_and_mul",
+                            "silu(gate) * up (ATen ops)"));
+  register_kernel(cpu_kernel("kernmap/rms_norm", "RMSNorm", "kernmap::rms_norm",
+                             "fused one-pass RMSNorm, fp32 accumulation, SIMD level chosen at run time"));
+  register_kernel(
+      cpu_kernel("kernmap/silu", "SiLU", "kernmap::silu", "one-pass SiLU, SIMD level chosen at run time"));
+  register_kernel(cpu_kernel("kernmap/silu_and_mul", "SiluAndMul", "kernmap::silu_and_mul",
+                             "fused silu(gate) * up, one pass each way"));
+
+  Mapping defaults;
+  for (const auto& [layer, kernel] : {std::pair<std::string, std::string>{"RMSNorm", "kernmap/rms_norm"},
+                                      {"SiLU", "kernmap/silu"},
+                                      {"SiluAndMul", "kernmap/silu_and_mul"}}) {
+    defaults[layer]["cpu"] = {{Mode::kInference, kernel}, {Mode::kTraining, kernel}};
+  }
+  register_default_mapping(defaults);
+  return true;
+}
+
+// Runs when the library loads, before any resolution can happen.
+const bool kRegistered = register_builtins();
+
+}  // namespace
+}  // namespace kernmap

@@ -1,0 +1,203 @@
+// The CPU kernels at every instruction-set level this machine runs, against the reference kernels, forward and
+// backward, per dtype, on odd sizes and strided inputs. (Python tests add gradcheck, opcheck and transformers.)
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <string>
+#include <tuple>
+
+#include "include/kernmap/ops.h"
+#include "kernels/cpu/isa.h"
+
+namespace {
+
+using kernmap::cpu::Level;
+
+struct Tol {
+  double rtol, atol;
+};
+Tol tol(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble:
+      return {1e-10, 1e-12};
+    case at::kFloat:
+      return {1e-5, 1e-5};
+    case at::kBFloat16:
+      return {2e-2, 2e-2};
+    default:
+      return {2e-3, 2e-3};
+  }
+}
+
+::testing::AssertionResult close(const at::Tensor& got, const at::Tensor& want, Tol t) {
+  if (got.scalar_type() != want.scalar_type())
+    return ::testing::AssertionFailure() << "dtype " << got.scalar_type() << " != " << want.scalar_type();
+  if (got.sizes() != want.sizes())
+    return ::testing::AssertionFailure() << "shape " << got.sizes() << " != " << want.sizes();
+  if (got.numel() == 0) return ::testing::AssertionSuccess();
+  const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+  if (at::allclose(g, w, t.rtol, t.atol)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "max abs diff " << (g - w).abs().max().item<double>();
+}
+
+// Poisons freshly allocated memory so a kernel that skips an element cannot pass by luck.
+void poison_allocator() { at::empty({1 << 20}).fill_(std::numeric_limits<float>::quiet_NaN()); }
+
+class CpuKernels : public ::testing::TestWithParam<std::tuple<Level, at::ScalarType>> {
+ protected:
+  void SetUp() override {
+    previous_ = kernmap::cpu::active_level();
+    kernmap::cpu::set_level(std::get<0>(GetParam()));
+    at::manual_seed(0);
+  }
+  void TearDown() override { kernmap::cpu::set_level(previous_); }
+  at::ScalarType dtype() const { return std::get<1>(GetParam()); }
+  Level previous_{};
+};
+
+// Inputs of several layouts holding the same values: contiguous 2-D, 3-D, a column slice of a wider tensor,
+// and a transposed copy viewed back.
+std::vector<at::Tensor> layouts(int64_t rows, int64_t H, at::ScalarType dt) {
+  at::Tensor base = at::randn({rows, H}, at::kDouble).to(dt);
+  at::Tensor wide = at::randn({rows, H + 5}, at::kDouble).to(dt);
+  wide.narrow(1, 2, H).copy_(base);
+  at::Tensor transposed = base.t().contiguous().t();
+  std::vector<at::Tensor> out = {base, wide.narrow(1, 2, H), transposed};
+  if (rows % 3 == 0) out.push_back(base.view({3, rows / 3, H}));
+  return out;
+}
+
+TEST_P(CpuKernels, RmsNormForwardBackwardMatchesReference) {
+  for (int64_t H : {1, 7, 769, 5125}) {
+    for (const at::Tensor& x0 : layouts(6, H, dtype())) {
+      for (at::ScalarType wt : {dtype(), at::kFloat}) {
+        if (wt == at::kFloat && dtype() == at::kDouble) continue;
+        SCOPED_TRACE("H=" + std::to_string(H) + " strides=" + c10::str(x0.strides()) + " w=" + c10::str(wt));
+        at::Tensor w0 = (1 + 0.1 * at::randn({H}, at::kDouble)).to(wt);
+        at::Tensor x = x0.detach().requires_grad_(true), w = w0.clone().requires_grad_(true);
+        at::Tensor xr = x0.detach().requires_grad_(true), wr = w0.clone().requires_grad_(true);
+        poison_allocator();
+        at::Tensor y = kernmap::rms_norm(x, w, 1e-6);
+        at::Tensor yr = kernmap::reference::rms_norm(xr, wr, 1e-6);
+        ASSERT_TRUE(close(y, yr, tol(dtype())));
+        at::Tensor dy = at::randn(y.sizes(), at::kDouble).to(y.scalar_type());
+        torch::autograd::backward({y}, {dy});
+        torch::autograd::backward({yr}, {dy});
+        EXPECT_TRUE(close(x.grad(), xr.grad(), tol(dtype())));
+        // dW sums over rows; the reference sums in the output dtype, kernmap in fp32.
+        Tol tw = tol(dtype());
+        EXPECT_TRUE(close(w.grad(), wr.grad(), {tw.rtol * 4, tw.atol * 4}));
+      }
+    }
+  }
+}
+
+TEST_P(CpuKernels, SiluAndMulForwardBackwardMatchesReference) {
+  for (int64_t I : {1, 7, 769, 5125}) {
+    for (const at::Tensor& g0 : layouts(6, I, dtype())) {
+      SCOPED_TRACE("I=" + std::to_string(I) + " strides=" + c10::str(g0.strides()));
+      at::Tensor u0 = at::randn(g0.sizes(), at::kDouble).to(dtype());
+      at::Tensor g = g0.detach().requires_grad_(true), u = u0.clone().requires_grad_(true);
+      at::Tensor gr = g0.detach().requires_grad_(true), ur = u0.clone().requires_grad_(true);
+      poison_allocator();
+      at::Tensor y = kernmap::silu_and_mul(g, u);
+      at::Tensor yr = kernmap::reference::silu_and_mul(gr, ur);
+      ASSERT_TRUE(close(y, yr, tol(dtype())));
+      at::Tensor dy = at::randn(y.sizes(), at::kDouble).to(dtype());
+      torch::autograd::backward({y}, {dy});
+      torch::autograd::backward({yr}, {dy});
+      EXPECT_TRUE(close(g.grad(), gr.grad(), tol(dtype())));
+      EXPECT_TRUE(close(u.grad(), ur.grad(), tol(dtype())));
+    }
+  }
+}
+
+TEST_P(CpuKernels, SwigluAndSiluMatchReference) {
+  for (int64_t I : {1, 7, 769}) {
+    at::Tensor gu0 = at::randn({2, 3, 2 * I}, at::kDouble).to(dtype());
+    at::Tensor gu = gu0.clone().requires_grad_(true), gur = gu0.clone().requires_grad_(true);
+    at::Tensor y = kernmap::swiglu(gu), yr = kernmap::reference::swiglu(gur);
+    ASSERT_TRUE(close(y, yr, tol(dtype())));
+    at::Tensor dy = at::randn(y.sizes(), at::kDouble).to(dtype());
+    torch::autograd::backward({y}, {dy});
+    torch::autograd::backward({yr}, {dy});
+    EXPECT_TRUE(close(gu.grad(), gur.grad(), tol(dtype())));
+
+    at::Tensor x = gu0.clone().requires_grad_(true), xr = gu0.clone().requires_grad_(true);
+    at::Tensor s = kernmap::silu(x), sr = kernmap::reference::silu(xr);
+    ASSERT_TRUE(close(s, sr, tol(dtype())));
+    at::Tensor ds = at::randn(s.sizes(), at::kDouble).to(dtype());
+    torch::autograd::backward({s}, {ds});
+    torch::autograd::backward({sr}, {ds});
+    EXPECT_TRUE(close(x.grad(), xr.grad(), tol(dtype())));
+  }
+}
+
+TEST_P(CpuKernels, SiluHandlesExtremeInputs) {
+  at::Tensor x = at::tensor({-1e4, -100.0, -88.5, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.5, 100.0, 1e4}, at::kDouble)
+                     .to(dtype());
+  EXPECT_TRUE(close(kernmap::silu(x), kernmap::reference::silu(x), tol(dtype())));
+  at::Tensor special = at::tensor({std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()},
+                                  at::kDouble)
+                           .to(dtype());
+  at::Tensor s = kernmap::silu(special);
+  EXPECT_TRUE(std::isinf(s[0].item<double>()));
+  EXPECT_TRUE(std::isnan(s[1].item<double>()));
+}
+
+TEST_P(CpuKernels, EmptyInputs) {
+  at::Tensor x = at::empty({0, 16}, dtype());
+  at::Tensor w = at::ones({16}, dtype()).requires_grad_(true);
+  at::Tensor xg = x.clone().requires_grad_(true);
+  at::Tensor y = kernmap::rms_norm(xg, w, 1e-6);
+  EXPECT_EQ(y.sizes(), x.sizes());
+  torch::autograd::backward({y}, {at::empty_like(y)});
+  EXPECT_EQ(w.grad().sizes(), w.sizes());
+  EXPECT_EQ(w.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(kernmap::silu_and_mul(x, x).sizes(), x.sizes());
+  EXPECT_EQ(kernmap::swiglu(x).sizes(), (at::IntArrayRef{0, 8}));
+}
+
+std::vector<std::tuple<Level, at::ScalarType>> params() {
+  std::vector<std::tuple<Level, at::ScalarType>> out;
+  for (Level l : kernmap::cpu::supported_levels())
+    for (at::ScalarType t : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) out.emplace_back(l, t);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllLevels, CpuKernels, ::testing::ValuesIn(params()), [](const auto& info) {
+  return std::string(kernmap::cpu::level_name(std::get<0>(info.param))) + "_" +
+         std::string(c10::toString(std::get<1>(info.param)));
+});
+
+TEST(CpuLevels, ThisMachineRunsAtLeastBaselineAndTheBestIsActiveByDefault) {
+  const auto levels = kernmap::cpu::supported_levels();
+  ASSERT_FALSE(levels.empty());
+  EXPECT_EQ(levels.front(), Level::kBaseline);
+  EXPECT_EQ(kernmap::cpu::parse_level("avx2"), Level::kAvx2);
+  EXPECT_FALSE(kernmap::cpu::parse_level("sse9").has_value());
+}
+
+TEST(OpErrors, NameTheArgument) {
+  at::Tensor x = at::randn({4, 8});
+  auto message = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  EXPECT_NE(message([&] { kernmap::rms_norm(x, at::ones({7}), 1e-6); }).find("weight must have shape [8]"),
+            std::string::npos);
+  EXPECT_NE(message([&] { kernmap::rms_norm(x.to(at::kLong), at::ones({8}), 1e-6); }).find("x must be float32"),
+            std::string::npos);
+  EXPECT_NE(message([&] { kernmap::silu_and_mul(x, at::randn({4, 9})); }).find("up must have the shape of gate"),
+            std::string::npos);
+  EXPECT_NE(message([&] { kernmap::silu_and_mul(x, x.to(at::kBFloat16)); }).find("up must have the dtype of gate"),
+            std::string::npos);
+  EXPECT_NE(message([&] { kernmap::swiglu(at::randn({4, 7})); }).find("even last dimension"), std::string::npos);
+}
+
+}  // namespace
