@@ -13,6 +13,7 @@
 #include <regex>
 #include <stdexcept>
 #include <string>
+#include <malloc.h>
 #include <unistd.h>
 
 #include "cli/commands.h"
@@ -178,8 +179,17 @@ Options parse(const std::vector<std::string>& args) {
 
 }  // namespace
 
+// glibc returns every block over 32 MiB to the OS on free, so each large output would be page-faulted in
+// (and zeroed by the kernel) on every call: a cost of the allocator, not of the op. Training frameworks avoid it
+// (caching allocators, jemalloc); the benchmark keeps freed memory in the process for every implementation alike.
+void keep_freed_memory() {
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
 int bench_command(const std::vector<std::string>& args) {
   const Options o = parse(args);
+  keep_freed_memory();
   std::regex filter;
   try {
     filter = std::regex(o.filter.empty() ? ".*" : o.filter);

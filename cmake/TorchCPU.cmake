@@ -23,3 +23,8 @@ target_include_directories(kernmap_torch_cpu SYSTEM INTERFACE
 target_link_libraries(kernmap_torch_cpu INTERFACE
   "${KERNMAP_TORCH_LIB_DIR}/libtorch_cpu.so" "${KERNMAP_TORCH_LIB_DIR}/libc10.so")
 target_compile_definitions(kernmap_torch_cpu INTERFACE _GLIBCXX_USE_CXX11_ABI=${KERNMAP_TORCH_CXX11_ABI})
+# The wheel's ATen is built with OpenMP (AT_PARALLEL_OPENMP): at::parallel_for is a `#pragma omp parallel` in a
+# header, so code calling it must be compiled with -fopenmp or it runs serially. At run time the process shares
+# the one libgomp.so.1 that libtorch_cpu loads.
+target_compile_options(kernmap_torch_cpu INTERFACE -fopenmp)
+target_link_options(kernmap_torch_cpu INTERFACE -fopenmp)

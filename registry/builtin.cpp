@@ -59,7 +59,10 @@ bool register_builtins() {
   for (const auto& [layer, kernel] : {std::pair<std::string, std::string>{"RMSNorm", "kernmap/rms_norm"},
                                       {"SiLU", "kernmap/silu"},
                                       {"SiluAndMul", "kernmap/silu_and_mul"}}) {
-    defaults[layer]["cpu"] = {{Mode::kInference, kernel}, {Mode::kTraining, kernel}};
+    defaults[layer]["cpu"] = {{Mode::kInference, kernel},
+                              {Mode::kTraining, kernel},
+                              {Mode::kInference | Mode::kCompile, kernel},
+                              {Mode::kTraining | Mode::kCompile, kernel}};
   }
   register_default_mapping(defaults);
   return true;

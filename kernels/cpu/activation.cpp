@@ -6,88 +6,76 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-template <class T>
-using AccOf = typename Traits<T>::Acc;
-
-// y = round(x * sigmoid(x))
+// Scalar math: y = round(x * sigmoid(x))
 template <class T>
 void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) {
-  using Acc = AccOf<T>;
+  using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
     T* yr = y + r * n;
-    Acc v[kBlock];
     for (int64_t i = 0; i < nb; i += kBlock) {
-      load_block(xr + i, v);
-      for (int j = 0; j < kBlock; ++j) v[j] = v[j] * sigmoid(v[j]);
-      store_block(yr + i, v);
+      auto v = load<A>(xr + i);
+      store(yr + i, v * sigmoid(v));
     }
     for (int64_t i = nb; i < n; ++i) {
-      Acc a = static_cast<Acc>(to_float(xr[i]));
-      yr[i] = Traits<T>::store(a * sigmoid(a));
+      A v = to_acc<A>(xr[i]);
+      yr[i] = from_acc<T>(v * sigmoid_scalar(v));
     }
   }
 }
 
-// dsilu(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x)));  dx = round(dy * dsilu(x))
-template <class Acc>
-inline Acc silu_grad(Acc x, Acc dy) {
-  Acc s = sigmoid(x);
-  return dy * s * (Acc(1) + x * (Acc(1) - s));
+// dsilu(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+template <class V>
+inline V dsilu(V x) {
+  V s = sigmoid(x);
+  return s * (1 + x * (1 - s));
+}
+template <class A>
+inline A dsilu_scalar(A x) {
+  A s = sigmoid_scalar(x);
+  return s * (1 + x * (1 - s));
 }
 
+// Scalar math: dx = round(dy * dsilu(x))
 template <class T>
 void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int64_t r0, int64_t r1, int64_t n) {
-  using Acc = AccOf<T>;
+  using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
     const T* dyr = dy + r * dys;
     T* dxr = dx + r * n;
-    Acc v[kBlock], d[kBlock];
-    for (int64_t i = 0; i < nb; i += kBlock) {
-      load_block(xr + i, v);
-      load_block(dyr + i, d);
-      for (int j = 0; j < kBlock; ++j) v[j] = silu_grad(v[j], d[j]);
-      store_block(dxr + i, v);
-    }
-    for (int64_t i = nb; i < n; ++i)
-      dxr[i] = Traits<T>::store(silu_grad(static_cast<Acc>(to_float(xr[i])), static_cast<Acc>(to_float(dyr[i]))));
+    for (int64_t i = 0; i < nb; i += kBlock) store(dxr + i, load<A>(dyr + i) * dsilu(load<A>(xr + i)));
+    for (int64_t i = nb; i < n; ++i) dxr[i] = from_acc<T>(to_acc<A>(dyr[i]) * dsilu_scalar(to_acc<A>(xr[i])));
   }
 }
 
-// s = round(silu(g)); y = round(s * u)
+// Scalar math: s = round(silu(g)); y = round(s * u)
 template <class T>
 void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int64_t r0, int64_t r1, int64_t n) {
-  using Acc = AccOf<T>;
+  using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const T* gr = g + r * gs;
     const T* ur = u + r * us;
     T* yr = y + r * n;
-    Acc a[kBlock], b[kBlock];
     for (int64_t i = 0; i < nb; i += kBlock) {
-      load_block(gr + i, a);
-      load_block(ur + i, b);
-      for (int j = 0; j < kBlock; ++j) a[j] = a[j] * sigmoid(a[j]);
-      round_block<T>(a);
-      for (int j = 0; j < kBlock; ++j) a[j] *= b[j];
-      store_block(yr + i, a);
+      auto a = load<A>(gr + i);
+      store(yr + i, round_block<T>(a * sigmoid(a)) * load<A>(ur + i));
     }
     for (int64_t i = nb; i < n; ++i) {
-      Acc ga = static_cast<Acc>(to_float(gr[i]));
-      Acc s = Traits<T>::round(ga * sigmoid(ga));
-      yr[i] = Traits<T>::store(s * static_cast<Acc>(to_float(ur[i])));
+      A a = to_acc<A>(gr[i]);
+      yr[i] = from_acc<T>(round_to<T>(a * sigmoid_scalar(a)) * to_acc<A>(ur[i]));
     }
   }
 }
 
-// s = round(silu(g)); du = round(dy * s); dg = round(dsilu(g) * round(dy * u))
+// Scalar math: s = round(silu(g)); du = round(dy * s); dg = round(dsilu(g) * round(dy * u))
 template <class T>
 void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, const T* u, int64_t us, T* dg,
                            int64_t dgs, T* du, int64_t dus, int64_t r0, int64_t r1, int64_t n) {
-  using Acc = AccOf<T>;
+  using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const T* dyr = dy + r * dys;
@@ -95,33 +83,18 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
     const T* ur = u + r * us;
     T* dgr = dg + r * dgs;
     T* dur = du + r * dus;
-    Acc d[kBlock], a[kBlock], b[kBlock], s[kBlock], gu[kBlock];
     for (int64_t i = 0; i < nb; i += kBlock) {
-      load_block(dyr + i, d);
-      load_block(gr + i, a);
-      load_block(ur + i, b);
-      for (int j = 0; j < kBlock; ++j) {
-        Acc sg = sigmoid(a[j]);
-        s[j] = a[j] * sg;
-        gu[j] = d[j] * b[j];
-        b[j] = sg * (Acc(1) + a[j] * (Acc(1) - sg));  // dsilu(g)
-      }
-      round_block<T>(s);
-      round_block<T>(gu);
-      for (int j = 0; j < kBlock; ++j) {
-        s[j] *= d[j];
-        gu[j] *= b[j];
-      }
-      store_block(dur + i, s);
-      store_block(dgr + i, gu);
+      auto d = load<A>(dyr + i);
+      auto a = load<A>(gr + i);
+      auto sg = sigmoid(a);
+      store(dur + i, d * round_block<T>(a * sg));
+      store(dgr + i, round_block<T>(d * load<A>(ur + i)) * (sg * (1 + a * (1 - sg))));
     }
     for (int64_t i = nb; i < n; ++i) {
-      Acc di = static_cast<Acc>(to_float(dyr[i]));
-      Acc gi = static_cast<Acc>(to_float(gr[i]));
-      Acc ui = static_cast<Acc>(to_float(ur[i]));
-      Acc si = Traits<T>::round(gi * sigmoid(gi));
-      dur[i] = Traits<T>::store(di * si);
-      dgr[i] = Traits<T>::store(silu_grad(gi, Traits<T>::round(di * ui)));
+      A d = to_acc<A>(dyr[i]);
+      A a = to_acc<A>(gr[i]);
+      dur[i] = from_acc<T>(d * round_to<T>(a * sigmoid_scalar(a)));
+      dgr[i] = from_acc<T>(round_to<T>(d * to_acc<A>(ur[i])) * dsilu_scalar(a));
     }
   }
 }

@@ -1,8 +1,6 @@
 // RMSNorm forward and backward, compiled once per instruction-set level (KERNMAP_CPU_LEVEL names the level).
-// Each row is read from memory once per pass; the second read of a row hits the cache (a row of H = 8192 fp32
-// is 32 KiB).
-#include <cmath>
-
+// Each pass reads a row from memory once; the second read of a row hits the cache (a row of H = 8192 fp32 is
+// 32 KiB).
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
@@ -12,88 +10,67 @@ namespace {
 // Scalar math:
 //   h = float(x); r = 1 / sqrt(sum(h^2) / H + eps); n = round_X(h * r); y = round_Y(w * n)
 template <class X, class Y>
-void fwd_rows(const X* x, int64_t xs, const typename Traits<X>::Acc* w, Y* y, typename Traits<X>::Acc* rstd,
-              int64_t r0, int64_t r1, int64_t H, double eps) {
-  using Acc = typename Traits<X>::Acc;
+void fwd_rows(const X* x, int64_t xs, const Acc<X>* w, Y* y, Acc<X>* rstd, int64_t r0, int64_t r1, int64_t H,
+              double eps) {
+  using A = Acc<X>;
+  using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const X* xr = x + r * xs;
     Y* yr = y + r * H;
-    Acc acc[kBlock] = {};
-    Acc h[kBlock];
+    V acc{};
     for (int64_t i = 0; i < Hb; i += kBlock) {
-      load_block(xr + i, h);
-      for (int j = 0; j < kBlock; ++j) acc[j] += h[j] * h[j];
+      V h = load<A>(xr + i);
+      acc += h * h;
     }
-    Acc ss = 0;
+    A ss = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
-      Acc v = static_cast<Acc>(to_float(xr[i]));
+      A v = to_acc<A>(xr[i]);
       ss += v * v;
     }
-    for (int j = 0; j < kBlock; ++j) ss += acc[j];
-    const Acc rs = Acc(1) / std::sqrt(ss / static_cast<Acc>(H) + static_cast<Acc>(eps));
+    const A rs = A(1) / std::sqrt(ss / static_cast<A>(H) + static_cast<A>(eps));
     rstd[r] = rs;
-    Acc o[kBlock];
     for (int64_t i = 0; i < Hb; i += kBlock) {
-      load_block(xr + i, h);
-      for (int j = 0; j < kBlock; ++j) h[j] *= rs;
-      round_block<X>(h);
-      for (int j = 0; j < kBlock; ++j) o[j] = w[i + j] * h[j];
-      store_block(yr + i, o);
+      V n = round_block<X>(load<A>(xr + i) * rs);
+      store(yr + i, load<A>(w + i) * n);
     }
-    for (int64_t i = Hb; i < H; ++i) {
-      Acc n = Traits<X>::round(static_cast<Acc>(to_float(xr[i])) * rs);
-      yr[i] = Traits<Y>::store(w[i] * n);
-    }
+    for (int64_t i = Hb; i < H; ++i) yr[i] = from_acc<Y>(w[i] * round_to<X>(to_acc<A>(xr[i]) * rs));
   }
 }
 
 // Scalar math (g is the gradient reaching round_X(h * r), rounded to X as the eager autograd does):
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
 template <class X, class Y>
-void bwd_rows(const Y* dy, int64_t dys, const X* x, int64_t xs, const typename Traits<X>::Acc* w,
-              const typename Traits<X>::Acc* rstd, X* dx, typename Traits<X>::Acc* dw, int64_t r0, int64_t r1,
-              int64_t H) {
-  using Acc = typename Traits<X>::Acc;
+void bwd_rows(const Y* dy, int64_t dys, const X* x, int64_t xs, const Acc<X>* w, const Acc<X>* rstd, X* dx,
+              Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
+  using A = Acc<X>;
+  using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const Y* dyr = dy + r * dys;
     const X* xr = x + r * xs;
     X* dxr = dx + r * H;
-    const Acc rs = rstd[r];
-    Acc h[kBlock], g[kBlock], acc[kBlock] = {};
+    const A rs = rstd[r];
+    V acc{};
     for (int64_t i = 0; i < Hb; i += kBlock) {
-      load_block(xr + i, h);
-      load_block(dyr + i, g);
-      for (int j = 0; j < kBlock; ++j) g[j] *= w[i + j];
-      round_block<X>(g);
-      for (int j = 0; j < kBlock; ++j) acc[j] += g[j] * h[j];
+      V g = round_block<X>(load<A>(dyr + i) * load<A>(w + i));
+      acc += g * load<A>(xr + i);
     }
-    Acc dot = 0;
-    for (int64_t i = Hb; i < H; ++i)
-      dot += Traits<X>::round(static_cast<Acc>(to_float(dyr[i])) * w[i]) * static_cast<Acc>(to_float(xr[i]));
-    for (int j = 0; j < kBlock; ++j) dot += acc[j];
-    const Acc c = rs * rs * rs * dot / static_cast<Acc>(H);
-    Acc d[kBlock], n[kBlock], o[kBlock];
+    A dot = lane_sum(acc);
+    for (int64_t i = Hb; i < H; ++i) dot += round_to<X>(to_acc<A>(dyr[i]) * w[i]) * to_acc<A>(xr[i]);
+    const A c = rs * rs * rs * dot / static_cast<A>(H);
     for (int64_t i = 0; i < Hb; i += kBlock) {
-      load_block(xr + i, h);
-      load_block(dyr + i, d);
-      for (int j = 0; j < kBlock; ++j) g[j] = d[j] * w[i + j];
-      round_block<X>(g);
-      for (int j = 0; j < kBlock; ++j) {
-        o[j] = rs * g[j] - c * h[j];
-        n[j] = h[j] * rs;
-      }
-      store_block(dxr + i, o);
-      round_block<X>(n);
-      for (int j = 0; j < kBlock; ++j) dw[i + j] += d[j] * n[j];
+      V h = load<A>(xr + i);
+      V d = load<A>(dyr + i);
+      V g = round_block<X>(d * load<A>(w + i));
+      store(dxr + i, rs * g - c * h);
+      store(dw + i, load<A>(dw + i) + d * round_block<X>(h * rs));
     }
     for (int64_t i = Hb; i < H; ++i) {
-      Acc hi = static_cast<Acc>(to_float(xr[i]));
-      Acc di = static_cast<Acc>(to_float(dyr[i]));
-      Acc gi = Traits<X>::round(di * w[i]);
-      dxr[i] = Traits<X>::store(rs * gi - c * hi);
-      dw[i] += di * Traits<X>::round(hi * rs);
+      A h = to_acc<A>(xr[i]);
+      A d = to_acc<A>(dyr[i]);
+      dxr[i] = from_acc<X>(rs * round_to<X>(d * w[i]) - c * h);
+      dw[i] += d * round_to<X>(h * rs);
     }
   }
 }
@@ -127,9 +104,8 @@ void rms_norm_fwd(DType x_dtype, DType y_dtype, const void* x, int64_t x_stride,
   dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
     using X = decltype(x_tag);
     using Y = decltype(y_tag);
-    using Acc = typename Traits<X>::Acc;
-    fwd_rows<X, Y>(static_cast<const X*>(x), x_stride, static_cast<const Acc*>(w), static_cast<Y*>(y),
-                   static_cast<Acc*>(rstd), row_begin, row_end, H, eps);
+    fwd_rows<X, Y>(static_cast<const X*>(x), x_stride, static_cast<const Acc<X>*>(w), static_cast<Y*>(y),
+                   static_cast<Acc<X>*>(rstd), row_begin, row_end, H, eps);
   });
 }
 
@@ -139,10 +115,9 @@ void rms_norm_bwd(DType x_dtype, DType y_dtype, const void* dy, int64_t dy_strid
   dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
     using X = decltype(x_tag);
     using Y = decltype(y_tag);
-    using Acc = typename Traits<X>::Acc;
     bwd_rows<X, Y>(static_cast<const Y*>(dy), dy_stride, static_cast<const X*>(x), x_stride,
-                   static_cast<const Acc*>(w), static_cast<const Acc*>(rstd), static_cast<X*>(dx),
-                   static_cast<Acc*>(dw_acc), row_begin, row_end, H);
+                   static_cast<const Acc<X>*>(w), static_cast<const Acc<X>*>(rstd), static_cast<X*>(dx),
+                   static_cast<Acc<X>*>(dw_acc), row_begin, row_end, H);
   });
 }
 

@@ -1,22 +1,33 @@
-// Element conversions and math for the per-level CPU kernels, written as short fixed-width loops the compiler
-// vectorizes for the level it compiles (baseline SSE2, AVX2, AVX-512). Included only by kernels/cpu/*.cpp.
+// Blocks of one register's worth of floats as GCC/Clang vector types (4 at baseline SSE2, 8 with AVX2, 16
+// with AVX-512), plus exact element conversions and a vectorizable exp. Included only by kernels/cpu/*.cpp, inside no namespace.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(__F16C__)
 #include <immintrin.h>
-#endif
 
 #include "kernels/cpu/kernels.h"
 
 namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 
-/// Elements per block: one AVX-512 register of floats, two AVX2 registers.
+/// Elements per block: one register of floats at the level (GCC splits wider vector types poorly, scalarizing
+/// selects and conversions).
+#if defined(__AVX512F__)
 inline constexpr int64_t kBlock = 16;
+#elif defined(__AVX2__)
+inline constexpr int64_t kBlock = 8;
+#else
+inline constexpr int64_t kBlock = 4;
+#endif
+
+typedef float VF __attribute__((vector_size(kBlock * sizeof(float))));
+typedef double VD __attribute__((vector_size(kBlock * sizeof(double))));
+typedef int32_t VI __attribute__((vector_size(kBlock * sizeof(int32_t))));
+typedef uint32_t VU __attribute__((vector_size(kBlock * sizeof(uint32_t))));
+typedef uint16_t VH __attribute__((vector_size(kBlock * sizeof(uint16_t))));
 
 struct BFloat16 {
   uint16_t bits;
@@ -24,6 +35,14 @@ struct BFloat16 {
 struct Float16 {
   uint16_t bits;
 };
+
+/// The accumulation type of an element type, and its block vector.
+template <class T>
+using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+template <class A>
+using Vec = std::conditional_t<std::is_same_v<A, double>, VD, VF>;
+
+// ---- scalar conversions (tails and baseline fp16) ------------------------------------------------------
 
 inline uint32_t f32_bits(float f) {
   uint32_t u;
@@ -36,18 +55,15 @@ inline float f32_from_bits(uint32_t u) {
   return f;
 }
 
-// bfloat16 is the high half of a float32.
+// bfloat16 is the high half of a float32; rounding is to nearest even as in torch, NaN stays a quiet NaN.
 inline float to_float(BFloat16 v) { return f32_from_bits(uint32_t(v.bits) << 16); }
-// Round to nearest even, like torch; NaN stays a (quiet) NaN. Branch-free so it vectorizes.
 inline BFloat16 to_bf16(float f) {
   uint32_t u = f32_bits(f);
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  uint32_t nan = (u >> 16) | 0x40u;
-  bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-  return BFloat16{static_cast<uint16_t>(is_nan ? nan : rounded)};
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  return BFloat16{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 
-// IEEE half <-> float, exact and round-to-nearest-even (the F16C instructions where the level has them).
+// IEEE half <-> float, exact and round-to-nearest-even.
 inline float to_float(Float16 v) {
   uint32_t h = v.bits;
   uint32_t sign = (h & 0x8000u) << 16;
@@ -55,8 +71,7 @@ inline float to_float(Float16 v) {
   uint32_t man = h & 0x3ffu;
   if (exp == 0x1fu) return f32_from_bits(sign | 0x7f800000u | (man << 13));  // inf, NaN
   if (exp != 0) return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
-  // Zero or subnormal: man * 2^-24 is exact in float.
-  float mag = static_cast<float>(man) * 5.9604644775390625e-8f;
+  float mag = static_cast<float>(man) * 5.9604644775390625e-8f;  // subnormal: man * 2^-24, exact
   return sign ? -mag : mag;
 }
 inline Float16 to_f16(float f) {
@@ -69,117 +84,184 @@ inline Float16 to_f16(float f) {
   } else if (abs >= 0x477ff000u) {
     out = 0x7c00u;  // rounds to infinity
   } else if (abs < 0x38800000u) {
-    // Subnormal half (or zero): adding 0.5 makes the FPU round the mantissa to nearest even at 2^-24.
-    float scaled = f32_from_bits(abs) + 0.5f;
-    out = f32_bits(scaled) - f32_bits(0.5f);
+    // Subnormal half or zero: adding 0.5 makes the FPU round the mantissa to nearest even at 2^-24.
+    out = f32_bits(f32_from_bits(abs) + 0.5f) - f32_bits(0.5f);
   } else {
-    uint32_t odd = (abs >> 13) & 1u;
-    out = (abs + 0xc8000fffu + odd) >> 13;  // rebias exponent (-112 << 23) and round
+    out = (abs + 0xc8000fffu + ((abs >> 13) & 1u)) >> 13;  // rebias the exponent by -112 and round
   }
   return Float16{static_cast<uint16_t>(out | sign)};
 }
-
 inline float to_float(float v) { return v; }
 inline double to_float(double v) { return v; }
 
-template <class T>
-struct Traits;
-template <>
-struct Traits<float> {
-  using Acc = float;
-  static float round(float v) { return v; }
-  static float store(float v) { return v; }
-};
-template <>
-struct Traits<double> {
-  using Acc = double;
-  static double round(double v) { return v; }
-  static double store(double v) { return v; }
-};
-template <>
-struct Traits<BFloat16> {
-  using Acc = float;
-  static float round(float v) { return to_float(to_bf16(v)); }
-  static BFloat16 store(float v) { return to_bf16(v); }
-};
-template <>
-struct Traits<Float16> {
-  using Acc = float;
-  static float round(float v) { return to_float(to_f16(v)); }
-  static Float16 store(float v) { return to_f16(v); }
-};
+/// Element -> accumulation type, and accumulation type -> element with rounding.
+template <class A, class T>
+inline A to_acc(T v) {
+  return static_cast<A>(to_float(v));
+}
+template <class T, class A>
+inline T from_acc(A v) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return to_bf16(static_cast<float>(v));
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    return to_f16(static_cast<float>(v));
+  } else {
+    return static_cast<T>(v);
+  }
+}
+/// v rounded to T's precision (the eager math's intermediate casts), kept in the accumulation type.
+template <class T, class A>
+inline A round_to(A v) {
+  return to_acc<A>(from_acc<T>(v));
+}
 
-/// Loads kBlock elements of p as Acc.
-template <class T, class Acc>
-inline void load_block(const T* p, Acc* out) {
-  for (int j = 0; j < kBlock; ++j) out[j] = static_cast<Acc>(to_float(p[j]));
+// ---- block loads, stores and rounding ------------------------------------------------------------------
+
+inline VF load_native(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
-/// Stores kBlock Acc values to p, rounding to T.
-template <class T, class Acc>
-inline void store_block(T* p, const Acc* in) {
-  for (int j = 0; j < kBlock; ++j) p[j] = Traits<T>::store(in[j]);
+inline VD load_native(const double* p) {
+  VD v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
-template <>
-inline void load_block<double, double>(const double* p, double* out) {
-  for (int j = 0; j < kBlock; ++j) out[j] = p[j];
+inline VF load_native(const BFloat16* p) {
+  VH h;
+  std::memcpy(&h, p, sizeof h);
+  return (VF)(__builtin_convertvector(h, VU) << 16);
 }
-template <>
-inline void store_block<double, double>(double* p, const double* in) {
-  for (int j = 0; j < kBlock; ++j) p[j] = in[j];
-}
-#if defined(__F16C__)
-template <>
-inline void load_block<Float16, float>(const Float16* p, float* out) {
-  for (int j = 0; j < kBlock; j += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j));
-    _mm256_storeu_ps(out + j, _mm256_cvtph_ps(h));
-  }
-}
-template <>
-inline void store_block<Float16, float>(Float16* p, const float* in) {
-  for (int j = 0; j < kBlock; j += 8) {
-    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + j), h);
-  }
-}
+inline VF load_native(const Float16* p) {
+  VF v;
+#if defined(__AVX512F__)
+  v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  for (int j = 0; j < kBlock; ++j) v[j] = to_float(p[j]);
 #endif
+  return v;
+}
 
-/// Rounds a block of Acc values through T and back (the eager math's intermediate casts).
-template <class T, class Acc>
-inline void round_block(Acc* v) {
-  if constexpr (!std::is_same_v<T, Acc>) {
-    T tmp[kBlock];
-    store_block(tmp, v);
-    load_block(tmp, v);
+inline void store_native(float* p, VF v) { std::memcpy(p, &v, sizeof v); }
+inline void store_native(double* p, VD v) { std::memcpy(p, &v, sizeof v); }
+// Round to nearest even on the bits; NaN becomes a quiet NaN with its sign.
+inline VU bf16_rounded_bits(VF v) {
+  VU u = (VU)v;
+  VU rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  VU nan = (u | 0x400000u) & 0xffff0000u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+}
+inline void store_native(BFloat16* p, VF v) {
+  VH h = __builtin_convertvector(bf16_rounded_bits(v) >> 16, VH);
+  std::memcpy(p, &h, sizeof h);
+}
+inline void store_native(Float16* p, VF v) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__AVX2__) && defined(__F16C__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  for (int j = 0; j < kBlock; ++j) p[j] = to_f16(v[j]);
+#endif
+}
+
+/// kBlock elements of p as a block of A.
+template <class A, class T>
+inline Vec<A> load(const T* p) {
+  auto v = load_native(p);
+  if constexpr (std::is_same_v<decltype(v), Vec<A>>) {
+    return v;
+  } else {
+    return __builtin_convertvector(v, Vec<A>);
+  }
+}
+/// Stores a block to p, rounding to T.
+template <class T, class V>
+inline void store(T* p, V v) {
+  using N = decltype(load_native(p));
+  if constexpr (std::is_same_v<V, N>) {
+    store_native(p, v);
+  } else {
+    store_native(p, __builtin_convertvector(v, N));
+  }
+}
+/// A block rounded to T's precision, kept in its own type.
+template <class T, class V>
+inline V round_block(V v) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return (VF)bf16_rounded_bits(v);
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    Float16 tmp[kBlock];
+    store_native(tmp, v);
+    return load_native(tmp);
+  } else {
+    return v;
   }
 }
 
-/// exp(x) for float, vectorizable: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial
-/// (relative error < 2e-7), then scaled by 2^n through the exponent bits.
-inline float exp_f32(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+/// Sum of a block's lanes.
+template <class V>
+inline auto lane_sum(V v) {
+  decltype(v[0] + v[0]) s = 0;
+  for (int j = 0; j < kBlock; ++j) s += v[j];
+  return s;
+}
+
+// ---- math ----------------------------------------------------------------------------------------------
+
+/// exp(x) for a float block: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative
+/// error < 2e-7), scaled by 2^n through the exponent bits. Inputs are clamped to [-87, 88] (results stay
+/// normal), except NaN, which propagates.
+inline VF exp_block(VF x) {
+  x = x < -87.0f ? VF{} - 87.0f : x;
+  x = x > 88.0f ? VF{} + 88.0f : x;
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693145751953125f;  // ln2 split in a part exact in float and the rest
+  VF n = (x * 1.44269504088896341f + shifter) - shifter;
+  VF r = x - n * 0.693145751953125f;  // ln2 split into a part exact in float and the rest
   r = r - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
+  VF p = VF{} + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  int32_t e = static_cast<int32_t>(n) + 127;
-  return p * f32_from_bits(static_cast<uint32_t>(e) << 23);
+  VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  return p * (VF)e;
 }
-inline double exp_acc(double x) { return std::exp(x); }
-inline float exp_acc(float x) { return exp_f32(x); }
+inline VD exp_block(VD x) {
+  for (int j = 0; j < kBlock; ++j) x[j] = std::exp(x[j]);
+  return x;
+}
+inline float exp_scalar(float x) {
+  VF v = VF{} + x;
+  return exp_block(v)[0];
+}
+inline double exp_scalar(double x) { return std::exp(x); }
 
-/// sigmoid(x) = 1 / (1 + e^-x), in Acc.
-template <class Acc>
-inline Acc sigmoid(Acc x) {
-  return Acc(1) / (Acc(1) + exp_acc(-x));
+/// sigmoid = 1 / (1 + e^-x), for blocks and scalars.
+/// 1 / d for a float block: the hardware reciprocal estimate refined by one Newton step (relative error about
+/// 2^-22), several times the throughput of a division.
+inline VF reciprocal(VF d) {
+#if defined(__AVX512F__)
+  VF r = _mm512_rcp14_ps(d);
+#elif defined(__AVX2__)
+  VF r = _mm256_rcp_ps(d);
+#else
+  VF r = _mm_rcp_ps(d);
+#endif
+  return r * (2.0f - d * r);
 }
+inline VD reciprocal(VD d) { return 1.0 / d; }
+
+template <class V>
+inline V sigmoid(V x) {
+  return reciprocal(1 + exp_block(-x));
+}
+inline float sigmoid_scalar(float x) { return 1.0f / (1.0f + exp_scalar(-x)); }
+inline double sigmoid_scalar(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 }  // namespace KERNMAP_CPU_LEVEL
 }  // namespace kernmap::cpu
