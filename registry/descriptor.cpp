@@ -116,7 +116,9 @@ std::string to_string(Mode mode) {
   // Neither a request nor a mapping key: spell its flags, so that errors about it stay readable.
   std::string text;
   for (const auto& [flag, spelling] : kFlagSpellings) {
-    if (has_flag(mode, flag)) text += (text.empty() ? "" : "+") + std::string(spelling);
+    if (!has_flag(mode, flag)) continue;
+    if (!text.empty()) text += '+';
+    text += spelling;
   }
   const auto bits = static_cast<unsigned>(mode);
   if (text.empty() || (bits & ~kAllFlags) != 0) return "Mode(" + std::to_string(bits) + ")";
