@@ -14,9 +14,19 @@ TORCH_LIBRARY(kernmap, m) {
   m.def("silu_and_mul_backward(Tensor grad_y, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor grad_y, Tensor gate_up) -> Tensor");
+  // Grouped matrix product (2D x 3D, torch._grouped_mm semantics): rows offs[e-1]..offs[e] of a multiply b[e].
+  // offs: int32 [E], non-decreasing cumulative row ends, offs[E-1] == T. b may be a transposed view.
+  m.def("grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
+  m.def("grouped_mm_backward(Tensor grad_out, Tensor a, Tensor b, Tensor offs) -> (Tensor grad_a, Tensor grad_b)");
+  // MoE experts, transformers 5.x layout: gate_up_proj [E, 2I, H] (gate first), down_proj [E, H, I].
+  m.def("experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) -> Tensor");
+  m.def("experts_forward(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) -> (Tensor out, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out)");
+  m.def("experts_backward(Tensor grad_out, Tensor hidden, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out) -> (Tensor grad_hidden, Tensor grad_topk_weights, Tensor grad_gate_up_proj, Tensor grad_down_proj)");
   // Reference kernels: the transformers eager math composed of ATen ops (any device, autograd through ATen).
   m.def("reference_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("reference_silu(Tensor x) -> Tensor");
   m.def("reference_silu_and_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("reference_swiglu(Tensor gate_up) -> Tensor");
+  m.def("reference_grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
+  m.def("reference_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) -> Tensor");
 }

@@ -4,8 +4,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "include/kernmap/ops.h"
 #include "ops/checks.h"
+#include "ops/grouped_mm.h"
 
 namespace kernmap::reference {
 
@@ -35,6 +38,42 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   return at::silu(halves[0]) * halves[1];
 }
 
+// transformers.integrations.moe's fallback: one matrix product per group.
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 3, "kernmap.reference_grouped_mm: a must be [T, K] and b [E, K, N], got ",
+              a.sizes(), " and ", b.sizes());
+  ops::check_offs("reference_grouped_mm", offs, b.size(0), a.size(0), a);
+  const at::Tensor ends = offs.to(at::kCPU);
+  std::vector<at::Tensor> pieces;
+  int64_t start = 0;
+  for (int64_t e = 0; e < b.size(0); ++e) {
+    const int64_t end = ends[e].item<int64_t>();
+    pieces.push_back(at::mm(a.slice(0, start, end), b.select(0, e)));
+    start = end;
+  }
+  return pieces.empty() ? at::empty({0, b.size(2)}, a.options()) : at::cat(pieces, 0);
+}
+
+// The eager experts loop of transformers 5.x (Qwen2MoeExperts.forward): per expert hit, gather its tokens in
+// (slot, token) order, gate_up product, act(gate) * up, down product, routing weight, index_add.
+at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   const at::Tensor& gate_up_proj, const at::Tensor& down_proj) {
+  at::Tensor out = at::zeros_like(hidden);
+  const at::Tensor ids_by_slot = topk_ids.t();  // [k, T], as expert_mask[e] in transformers
+  for (int64_t e = 0; e < gate_up_proj.size(0); ++e) {
+    const at::Tensor hit = ids_by_slot.eq(e).nonzero();  // rows of (slot, token)
+    if (hit.size(0) == 0) continue;
+    const at::Tensor slot = hit.select(1, 0), token = hit.select(1, 1);
+    const at::Tensor current = hidden.index_select(0, token);
+    const auto gate_up = at::linear(current, gate_up_proj.select(0, e)).chunk(2, -1);
+    at::Tensor h = at::silu(gate_up[0]) * gate_up[1];
+    h = at::linear(h, down_proj.select(0, e));
+    h = h * topk_weights.index({token, slot}).unsqueeze(-1);
+    out = out.index_add(0, token, h.to(out.scalar_type()));
+  }
+  return out;
+}
+
 }  // namespace kernmap::reference
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
@@ -42,4 +81,6 @@ TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_silu", &kernmap::reference::silu);
   m.impl("reference_silu_and_mul", &kernmap::reference::silu_and_mul);
   m.impl("reference_swiglu", &kernmap::reference::swiglu);
+  m.impl("reference_grouped_mm", &kernmap::reference::grouped_mm);
+  m.impl("reference_experts", &kernmap::reference::experts);
 }

@@ -48,17 +48,32 @@ bool register_builtins() {
   register_kernel(reference("reference/silu", "SiLU", "kernmap::reference_silu", "torch.nn.functional.silu"));
   register_kernel(reference("reference/silu_and_mul", "SiluAndMul", "kernmap::reference_silu_and_mul",
                             "silu(gate) * up (ATen ops)"));
+  // The per-group loops read offs on the host: data-dependent, so not compile-safe.
+  KernelDescriptor grouped = reference("reference/grouped_mm", "GroupedMM", "kernmap::reference_grouped_mm",
+                                       "one matrix product per group (transformers' fallback loop)");
+  grouped.compile_safe = false;
+  register_kernel(grouped);
+  KernelDescriptor experts =
+      reference("reference/experts", "Experts", "kernmap::reference_experts", "transformers eager experts loop");
+  experts.compile_safe = false;
+  register_kernel(experts);
   register_kernel(cpu_kernel("kernmap/rms_norm", "RMSNorm", "kernmap::rms_norm",
                              "fused one-pass RMSNorm, fp32 accumulation, SIMD level chosen at run time"));
   register_kernel(
       cpu_kernel("kernmap/silu", "SiLU", "kernmap::silu", "one-pass SiLU, SIMD level chosen at run time"));
   register_kernel(cpu_kernel("kernmap/silu_and_mul", "SiluAndMul", "kernmap::silu_and_mul",
                              "fused silu(gate) * up, one pass each way"));
+  register_kernel(cpu_kernel("kernmap/grouped_mm", "GroupedMM", "kernmap::grouped_mm",
+                             "grouped product over (group x tile) tasks on the intra-op pool"));
+  register_kernel(cpu_kernel("kernmap/experts", "Experts", "kernmap::experts",
+                             "sorted-token grouped products, fused SiLU-and-mul, deterministic combine"));
 
   Mapping defaults;
   for (const auto& [layer, kernel] : {std::pair<std::string, std::string>{"RMSNorm", "kernmap/rms_norm"},
                                       {"SiLU", "kernmap/silu"},
-                                      {"SiluAndMul", "kernmap/silu_and_mul"}}) {
+                                      {"SiluAndMul", "kernmap/silu_and_mul"},
+                                      {"GroupedMM", "kernmap/grouped_mm"},
+                                      {"Experts", "kernmap/experts"}}) {
     defaults[layer]["cpu"] = {{Mode::kInference, kernel},
                               {Mode::kTraining, kernel},
                               {Mode::kInference | Mode::kCompile, kernel},

@@ -1,0 +1,214 @@
+// kernmap::experts: a MoE layer's expert MLPs in the transformers 5.x layout, as sorted-token grouped products:
+// sort the (token, slot) pairs by expert (a stable counting sort: deterministic), gather, grouped gate_up
+// product, fused SiLU-and-mul, grouped down product, weighted combine in fp32. Forward, backward, Meta, autograd.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "include/kernmap/ops.h"
+#include "ops/checks.h"
+#include "ops/grouped_mm.h"
+
+namespace kernmap::ops {
+namespace {
+
+constexpr const char* kOp = "experts";
+
+struct Shapes {
+  int64_t T, H, k, E, I;
+};
+
+Shapes check_experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                     const at::Tensor& gate_up, const at::Tensor& down) {
+  check_floating(kOp, "hidden", hidden);
+  check_floating(kOp, "topk_weights", topk_weights);
+  check_same_dtype(kOp, "hidden", hidden, "gate_up_proj", gate_up);
+  check_same_dtype(kOp, "hidden", hidden, "down_proj", down);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"topk_ids", topk_ids},
+                                {"topk_weights", topk_weights},
+                                {"gate_up_proj", gate_up},
+                                {"down_proj", down}})
+    check_same_device(kOp, "hidden", hidden, name, t);
+  TORCH_CHECK(hidden.dim() == 2, "kernmap.experts: hidden must be 2-D [T, H], got ", hidden.sizes());
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T, "kernmap.experts: topk_ids must be [T, k] with T = ", T,
+              ", got ", topk_ids.sizes());
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong || topk_ids.scalar_type() == at::kInt,
+              "kernmap.experts: topk_ids must be int64 or int32, got ", topk_ids.scalar_type());
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "kernmap.experts: topk_weights must have the shape of topk_ids ",
+              topk_ids.sizes(), ", got ", topk_weights.sizes());
+  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(2) == H && gate_up.size(1) % 2 == 0,
+              "kernmap.experts: gate_up_proj must be [E, 2I, H] with H = ", H, ", got ", gate_up.sizes());
+  const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(down.dim() == 3 && down.size(0) == E && down.size(1) == H && down.size(2) == I,
+              "kernmap.experts: down_proj must be [E, H, I] = [", E, ", ", H, ", ", I, "], got ", down.sizes());
+  return {T, H, topk_ids.size(1), E, I};
+}
+
+// Stable counting sort of the flattened (token, slot) pairs by expert: order[j] is the flat index of the j-th
+// pair in expert order, offs[e] the cumulative end of expert e's pairs.
+std::tuple<at::Tensor, at::Tensor> sort_by_expert(const at::Tensor& topk_ids, int64_t E) {
+  const at::Tensor ids = topk_ids.reshape(-1).to(at::kLong).contiguous();
+  const int64_t S = ids.numel();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  std::vector<int64_t> next(E + 1, 0);
+  for (int64_t j = 0; j < S; ++j) {
+    TORCH_CHECK(id[j] >= 0 && id[j] < E, "kernmap.experts: topk_ids must be in [0, ", E, "), got ", id[j],
+                " at flat position ", j);
+    ++next[id[j] + 1];
+  }
+  at::Tensor offs = at::empty({E}, topk_ids.options().dtype(at::kInt));
+  int32_t* o = offs.data_ptr<int32_t>();
+  for (int64_t e = 0; e < E; ++e) {
+    next[e + 1] += next[e];
+    o[e] = static_cast<int32_t>(next[e + 1]);
+  }
+  at::Tensor order = at::empty({S}, topk_ids.options().dtype(at::kLong));
+  int64_t* ord = order.data_ptr<int64_t>();
+  for (int64_t j = 0; j < S; ++j) ord[next[id[j]]++] = j;
+  return {order, offs};
+}
+
+// The inverse permutation: position of flat pair j in expert order.
+at::Tensor inverse_permutation(const at::Tensor& order) {
+  at::Tensor pos = at::empty_like(order);
+  const int64_t* o = order.const_data_ptr<int64_t>();
+  int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t j = 0; j < order.numel(); ++j) p[o[j]] = j;
+  return pos;
+}
+
+// out[t] = sum over slots, in slot order, of rows[pos[t * k + slot]]: a deterministic reduction (fp32 for
+// reduced precision, as transformers' reshape + sum).
+at::Tensor combine(const at::Tensor& rows, const at::Tensor& pos, int64_t T, int64_t k, at::ScalarType out_dtype) {
+  const at::ScalarType acc = at::promote_types(at::kFloat, rows.scalar_type());
+  return rows.index_select(0, pos).view({T, k, rows.size(1)}).sum(1, /*keepdim=*/false, acc).to(out_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
+    const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& gate_up,
+    const at::Tensor& down) {
+  const Shapes s = check_experts(hidden, topk_ids, topk_weights, gate_up, down);
+  auto [order, offs] = sort_by_expert(topk_ids, s.E);
+  const at::Tensor token = order.div(s.k, "floor");
+  const at::Tensor a = hidden.index_select(0, token);                          // [S, H]
+  const at::Tensor h1 = grouped_mm_cpu(a, gate_up.transpose(1, 2), offs);     // [S, 2I]
+  const at::Tensor act = kernmap::swiglu(h1);                                  // [S, I]
+  const at::Tensor h2 = grouped_mm_cpu(act, down.transpose(1, 2), offs);      // [S, H]
+  const at::Tensor w = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1);
+  const at::Tensor out = combine(h2 * w, inverse_permutation(order), s.T, s.k, hidden.scalar_type());
+  return {out, order, offs, h1, h2};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& gate_up,
+    const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs, const at::Tensor& h1,
+    const at::Tensor& h2) {
+  const int64_t T = hidden.size(0), k = topk_weights.size(1);
+  const at::Tensor token = order.div(k, "floor");
+  const at::Tensor g = grad.index_select(0, token);  // d(weighted row j) = grad_out[token of j]
+  const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
+  // d topk_weights: <grad_out[t], h2 row>, in fp32 at least.
+  const at::ScalarType acc = at::promote_types(at::kFloat, h2.scalar_type());
+  const at::Tensor dw_sorted = (g.to(acc) * h2.to(acc)).sum(-1);
+  at::Tensor d_topk = at::empty({T * k}, topk_weights.options());
+  d_topk.index_copy_(0, order, dw_sorted.to(topk_weights.scalar_type()));
+  const at::Tensor d_h2 = (g * w.unsqueeze(-1)).to(h2.scalar_type());
+  const at::Tensor act = kernmap::swiglu(h1);
+  const at::Tensor d_act = grouped_mm_cpu(d_h2, down, offs);             // [S, I]
+  const at::Tensor d_down = grouped_weight_grad_cpu(d_h2, act, offs);    // [E, H, I]
+  static auto swiglu_bwd = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kernmap::swiglu_backward");
+  const at::Tensor d_h1 = swiglu_bwd.call(d_act, h1);                    // [S, 2I]
+  const at::Tensor d_a = grouped_mm_cpu(d_h1, gate_up, offs);            // [S, H]
+  const at::Tensor a = hidden.index_select(0, token);
+  const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1, a, offs);   // [E, 2I, H]
+  const at::Tensor d_hidden = combine(d_a, inverse_permutation(order), T, k, hidden.scalar_type());
+  return {d_hidden, d_topk.view(topk_weights.sizes()), d_gate_up, d_down};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(
+    const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& gate_up,
+    const at::Tensor& down) {
+  const Shapes s = check_experts(hidden, topk_ids, topk_weights, gate_up, down);
+  const int64_t S = s.T * s.k;
+  return {at::empty({s.T, s.H}, hidden.options()), at::empty({S}, topk_ids.options().dtype(at::kLong)),
+          at::empty({s.E}, topk_ids.options().dtype(at::kInt)), at::empty({S, 2 * s.I}, hidden.options()),
+          at::empty({S, s.H}, hidden.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_meta(
+    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& gate_up,
+    const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs, const at::Tensor& h1,
+    const at::Tensor& h2) {
+  return {at::empty(hidden.sizes(), hidden.options()), at::empty(topk_weights.sizes(), topk_weights.options()),
+          at::empty(gate_up.sizes(), gate_up.options()), at::empty(down.sizes(), down.options())};
+}
+
+at::Tensor experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& gate_up, const at::Tensor& down) {
+  return std::get<0>(forward_cpu(hidden, topk_ids, topk_weights, gate_up, down));
+}
+at::Tensor experts_meta(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                        const at::Tensor& gate_up, const at::Tensor& down) {
+  return std::get<0>(forward_meta(hidden, topk_ids, topk_weights, gate_up, down));
+}
+
+using Tensors5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+class ExpertsFunction : public torch::autograd::Function<ExpertsFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
+                            const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& gate_up,
+                            const at::Tensor& down) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = op_handle<Tensors5(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        const at::Tensor&)>("kernmap::experts_forward");
+    auto [out, order, offs, h1, h2] = op.call(hidden, topk_ids, topk_weights, gate_up, down);
+    ctx->save_for_backward({hidden, topk_weights, gate_up, down, order, offs, h1, h2});
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op =
+        op_handle<Tensors4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&)>("kernmap::experts_backward");
+    const auto v = ctx->get_saved_variables();
+    auto [dh, dw, dgu, dd] = op.call(grads[0], v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+    return {dh, at::Tensor(), dw, dgu, dd};
+  }
+};
+
+at::Tensor experts_autograd(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            const at::Tensor& gate_up, const at::Tensor& down) {
+  return ExpertsFunction::apply(hidden, topk_ids, topk_weights, gate_up, down);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kernmap, CPU, m) {
+  m.impl("experts", &experts_cpu);
+  m.impl("experts_forward", &forward_cpu);
+  m.impl("experts_backward", &backward_cpu);
+}
+TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
+  m.impl("experts", &experts_meta);
+  m.impl("experts_forward", &forward_meta);
+  m.impl("experts_backward", &backward_meta);
+}
+TORCH_LIBRARY_IMPL(kernmap, Autograd, m) { m.impl("experts", &experts_autograd); }
+
+}  // namespace kernmap::ops
+
+namespace kernmap {
+at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   const at::Tensor& gate_up_proj, const at::Tensor& down_proj) {
+  static auto op = ops::op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&, const at::Tensor&)>("kernmap::experts");
+  return op.call(hidden, topk_ids, topk_weights, gate_up_proj, down_proj);
+}
+}  // namespace kernmap

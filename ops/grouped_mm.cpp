@@ -1,0 +1,191 @@
+// kernmap::grouped_mm: checks, the CPU implementation (one BLAS product per group x tile, spread over the
+// intra-op pool), Meta shapes, and autograd.
+#include "ops/grouped_mm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "include/kernmap/ops.h"
+#include "ops/checks.h"
+
+namespace kernmap::ops {
+namespace {
+
+constexpr const char* kOp = "grouped_mm";
+
+// Tile sizes: small enough that uneven or small groups still give every thread work, large enough that each
+// BLAS call amortizes its setup.
+constexpr int64_t kRowTile = 128;
+constexpr int64_t kColTile = 256;
+
+struct Task {
+  int64_t group, r0, r1, c0, c1;
+};
+
+std::vector<int64_t> group_starts(const at::Tensor& offs) {
+  const at::Tensor o = offs.contiguous();
+  const int32_t* p = o.const_data_ptr<int32_t>();
+  std::vector<int64_t> starts(o.numel() + 1, 0);
+  for (int64_t e = 0; e < o.numel(); ++e) starts[e + 1] = p[e];
+  return starts;
+}
+
+// Tasks covering rows [starts[e], starts[e+1]) x columns [0, cols) of every group, tiled.
+std::vector<Task> tile(const std::vector<int64_t>& starts, int64_t cols, bool tile_rows) {
+  std::vector<Task> tasks;
+  for (size_t e = 0; e + 1 < starts.size(); ++e) {
+    const int64_t s = starts[e], end = starts[e + 1];
+    if (s == end) continue;
+    const int64_t row_step = tile_rows ? kRowTile : end - s;
+    for (int64_t r = s; r < end; r += row_step)
+      for (int64_t c = 0; c < cols; c += kColTile)
+        tasks.push_back({static_cast<int64_t>(e), r, std::min(r + row_step, end), c, std::min(c + kColTile, cols)});
+  }
+  return tasks;
+}
+
+void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Task&)>& f) {
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    // Dispatcher state is per thread: pool threads must also run the tile products below autograd.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (int64_t i = b; i < e; ++i) f(tasks[i]);
+  });
+}
+
+void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  check_floating(kOp, "a", a);
+  check_same_dtype(kOp, "a", a, "b", b);
+  check_same_device(kOp, "a", a, "b", b);
+  TORCH_CHECK(a.dim() == 2, "kernmap.grouped_mm: a must be 2-D [T, K], got ", a.sizes());
+  TORCH_CHECK(b.dim() == 3 && b.size(1) == a.size(1), "kernmap.grouped_mm: b must be 3-D [E, K, N] with K = ",
+              a.size(1), " (a's columns), got ", b.sizes());
+  check_offs(kOp, offs, b.size(0), a.size(0), a);
+}
+
+at::Tensor grouped_mm_meta(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  check_grouped_mm(a, b, offs);
+  return at::empty({a.size(0), b.size(2)}, a.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> grouped_mm_backward_impl(const at::Tensor& grad, const at::Tensor& a,
+                                                            const at::Tensor& b, const at::Tensor& offs) {
+  check_grouped_mm(a, b, offs);
+  check_same_dtype("grouped_mm_backward", "a", a, "grad_out", grad);
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == a.size(0) && grad.size(1) == b.size(2),
+              "kernmap.grouped_mm_backward: grad_out must have shape [", a.size(0), ", ", b.size(2), "], got ",
+              grad.sizes());
+  // grad_a = grad @ b[e]^T: b^T is [E, N, K], itself a grouped operand.
+  at::Tensor grad_a = grouped_mm_cpu(grad, b.transpose(1, 2), offs);
+  // grad_b[e] = a_e^T @ grad_e, produced in b's memory layout so the parameter's gradient needs no copy.
+  const bool b_is_transposed = b.stride(1) == 1 && b.stride(2) != 1;
+  at::Tensor grad_b = b_is_transposed ? grouped_weight_grad_cpu(grad, a, offs).transpose(1, 2)
+                                      : grouped_weight_grad_cpu(a, grad, offs);
+  return {grad_a, grad_b};
+}
+
+std::tuple<at::Tensor, at::Tensor> grouped_mm_backward_meta(const at::Tensor& grad, const at::Tensor& a,
+                                                            const at::Tensor& b, const at::Tensor& offs) {
+  check_grouped_mm(a, b, offs);
+  return {at::empty(a.sizes(), a.options()), at::empty_like(b)};
+}
+
+class GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                            const at::Tensor& offs) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+        "kernmap::grouped_mm");
+    ctx->save_for_backward({a, b, offs});
+    return op.call(a, b, offs);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, const at::Tensor&)>(
+        "kernmap::grouped_mm_backward");
+    const auto saved = ctx->get_saved_variables();
+    auto [ga, gb] = op.call(grads[0], saved[0], saved[1], saved[2]);
+    return {ga, gb, at::Tensor()};
+  }
+};
+
+at::Tensor grouped_mm_autograd(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  return GroupedMmFunction::apply(a, b, offs);
+}
+
+at::Tensor grouped_mm_checked(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  check_grouped_mm(a, b, offs);
+  return grouped_mm_cpu(a, b, offs);
+}
+
+}  // namespace
+
+void check_offs(const char* op, const at::Tensor& offs, int64_t E, int64_t T, const at::Tensor& a) {
+  TORCH_CHECK(offs.scalar_type() == at::kInt, "kernmap.", op, ": offs must be int32, got ", offs.scalar_type());
+  TORCH_CHECK(offs.dim() == 1 && offs.size(0) == E, "kernmap.", op, ": offs must have shape [", E,
+              "] (one cumulative end per group), got ", offs.sizes());
+  TORCH_CHECK(offs.device() == a.device(), "kernmap.", op, ": offs must be on the device of a (", a.device(),
+              "), got ", offs.device());
+  if (offs.is_meta() || !offs.is_cpu()) return;
+  const at::Tensor o = offs.contiguous();
+  const int32_t* p = o.const_data_ptr<int32_t>();
+  int64_t previous = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(p[e] >= previous, "kernmap.", op, ": offs must be non-decreasing and >= 0, got offs[", e, "] = ", p[e],
+                e == 0 ? std::string("") : " after offs[" + std::to_string(e - 1) + "] = " + std::to_string(previous));
+    previous = p[e];
+  }
+  TORCH_CHECK(E == 0 ? T == 0 : previous == T, "kernmap.", op, ": offs[-1] must equal the row count T = ", T,
+              ", got ", E == 0 ? std::string("no groups") : std::to_string(previous));
+}
+
+at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options());
+  const auto tasks = tile(group_starts(offs), b.size(2), /*tile_rows=*/true);
+  run_tasks(tasks, [&](const Task& t) {
+    at::Tensor dst = out.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1);
+    at::mm_out(dst, a.slice(0, t.r0, t.r1), b.select(0, t.group).slice(1, t.c0, t.c1));
+  });
+  return out;
+}
+
+at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, const at::Tensor& offs) {
+  const int64_t E = offs.size(0), M = x.size(1), N = y.size(1);
+  at::Tensor out = at::empty({E, M, N}, x.options());
+  const std::vector<int64_t> starts = group_starts(offs);
+  for (int64_t e = 0; e < E; ++e)
+    if (starts[e] == starts[e + 1]) out.select(0, e).zero_();
+  // Each task owns a column tile of one group's [M, N] block and sums over all of the group's rows, so the
+  // result does not depend on the thread count.
+  const auto tasks = tile(starts, N, /*tile_rows=*/false);
+  run_tasks(tasks, [&](const Task& t) {
+    at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
+    at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
+  });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(kernmap, CPU, m) {
+  m.impl("grouped_mm", &grouped_mm_checked);
+  m.impl("grouped_mm_backward", &grouped_mm_backward_impl);
+}
+TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
+  m.impl("grouped_mm", &grouped_mm_meta);
+  m.impl("grouped_mm_backward", &grouped_mm_backward_meta);
+}
+TORCH_LIBRARY_IMPL(kernmap, Autograd, m) { m.impl("grouped_mm", &grouped_mm_autograd); }
+
+}  // namespace kernmap::ops
+
+namespace kernmap {
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  static auto op =
+      ops::op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("kernmap::grouped_mm");
+  return op.call(a, b, offs);
+}
+}  // namespace kernmap

@@ -1,0 +1,268 @@
+"""torch.ops.kernmap.grouped_mm and torch.ops.kernmap.experts against the reference loops, transformers' own
+grouped_mm and eager experts (Qwen2-MoE, Qwen3-MoE expert modules with the same weights), gradcheck, opcheck,
+edge cases and bad input."""
+
+import pytest
+import torch
+from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.integrations import moe as hf_moe
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+ops = torch.ops.kernmap
+
+TOL = {
+    torch.float64: dict(rtol=1e-10, atol=1e-10),
+    torch.float32: dict(rtol=2e-5, atol=2e-5),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    torch.float16: dict(rtol=4e-3, atol=4e-3),
+}
+
+
+def offsets(counts):
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def grads_of(fn, inputs, grad_out=None):
+    xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    y = fn(*xs)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(y.dtype)
+    y.backward(g)
+    return y.detach(), [x.grad for x in xs]
+
+
+def assert_close(a, b, dtype, scale=1.0):
+    torch.testing.assert_close(a, b, **{k: v * scale for k, v in TOL[dtype].items()})
+
+
+GROUPINGS = {
+    "E1": [5],
+    "E7_uneven_with_empty": [3, 0, 1, 9, 0, 0, 4],
+    "E64": [1] * 40 + [0] * 20 + [2] * 4,
+    "all_on_one": [0, 0, 12, 0],
+    "T0": [0, 0, 0],
+    "T1": [0, 1],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+@pytest.mark.parametrize("b_layout", ["EKN", "transposed_ENK"])
+@pytest.mark.parametrize("K,N", [(13, 21), (16, 24)])
+def test_grouped_mm_matches_reference_and_transformers(dtype, grouping, b_layout, K, N):
+    counts = GROUPINGS[grouping]
+    T, E = sum(counts), len(counts)
+    a = torch.randn(T, K).to(dtype)
+    b = torch.randn(E, K, N).to(dtype) if b_layout == "EKN" else torch.randn(E, N, K).to(dtype).transpose(1, 2)
+    offs = offsets(counts)
+    (y, (da, db, _)), (yr, (dar, dbr, _)) = (grads_of(f, [a, b, offs]) for f in (ops.grouped_mm, ops.reference_grouped_mm))
+    assert_close(y, yr, dtype)
+    assert_close(da, dar, dtype)
+    assert_close(db, dbr, dtype)
+    assert db.stride() == b.stride()  # the gradient comes in the weight's own layout
+    torch.testing.assert_close(y, torch.ops.transformers.grouped_mm_fallback(a, b, offs), **TOL[dtype])
+    if T > 0 and dtype != torch.float16 and K % 8 == 0 and N % 8 == 0:  # torch._grouped_mm needs 16-byte strides
+        torch.testing.assert_close(y, torch._grouped_mm(a, b, offs=offs), **TOL[dtype])
+
+
+def test_grouped_mm_zero_row_groups_get_zero_weight_grad():
+    a = torch.randn(4, 6)
+    b = torch.randn(3, 6, 5, requires_grad=True)
+    ops.grouped_mm(a, b, offsets([4, 0, 0])).sum().backward()
+    assert torch.equal(b.grad[1:], torch.zeros(2, 6, 5))
+    assert b.grad[0].abs().sum() > 0
+
+
+def test_grouped_mm_gradcheck_float64():
+    a = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 5, 4, dtype=torch.float64).transpose(1, 2).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x, w: ops.grouped_mm(x, w, offsets([2, 0, 7])), (a, b))
+
+
+def test_grouped_mm_opcheck():
+    a = torch.randn(10, 8, requires_grad=True)
+    b = torch.randn(3, 8, 6, requires_grad=True)
+    torch.library.opcheck(ops.grouped_mm.default, (a, b, offsets([4, 0, 6])))
+
+
+BAD_OFFS = [
+    (offsets([3, 2]).flip(0), "offs must be non-decreasing"),
+    (offsets([2, 2, 1]), r"offs must have shape \[2\]"),
+    (offsets([2, 2]), r"offs\[-1\] must equal the row count T = 5, got 4"),
+    (offsets([2, 3]).long(), "offs must be int32, got Long"),
+    (torch.tensor([2, 5], dtype=torch.int32, device="meta"), "offs must be on the device of a"),
+]
+
+
+@pytest.mark.parametrize("offs,message", BAD_OFFS, ids=[m for _, m in BAD_OFFS])
+def test_grouped_mm_bad_offs(offs, message):
+    with pytest.raises(RuntimeError, match=message):
+        ops.grouped_mm(torch.randn(5, 4), torch.randn(2, 4, 3), offs)
+
+
+def test_grouped_mm_bad_shapes():
+    with pytest.raises(RuntimeError, match=r"b must be 3-D \[E, K, N\] with K = 4"):
+        ops.grouped_mm(torch.randn(5, 4), torch.randn(2, 3, 3), offsets([2, 3]))
+    with pytest.raises(RuntimeError, match="a must be 2-D"):
+        ops.grouped_mm(torch.randn(5), torch.randn(2, 4, 3), offsets([2, 3]))
+    with pytest.raises(RuntimeError, match="b must have the dtype of a"):
+        ops.grouped_mm(torch.randn(5, 4), torch.randn(2, 4, 3).double(), offsets([2, 3]))
+
+
+# ---- experts ------------------------------------------------------------------------------------------
+
+
+def make_experts(cls, config_cls, E, H, I, dtype):
+    config = config_cls(hidden_size=H, moe_intermediate_size=I, num_experts=E, hidden_act="silu")
+    config._experts_implementation = "eager"
+    module = cls(config)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn_like(module.gate_up_proj) * 0.2)
+        module.down_proj.copy_(torch.randn_like(module.down_proj) * 0.2)
+    return module.to(dtype)
+
+
+def routing(T, E, k, seed=0, skew=None):
+    g = torch.Generator().manual_seed(seed)
+    if skew is not None:
+        ids = torch.full((T, k), skew, dtype=torch.long)
+        ids[:, 1:] = torch.stack([torch.randperm(E - 1, generator=g)[: k - 1] for _ in range(T)]) if k > 1 else ids[:, 1:]
+        ids[:, 1:] += (ids[:, 1:] >= skew).long()
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
+    weights = torch.rand(T, k, generator=g).softmax(-1)
+    return ids, weights
+
+
+CASES = [  # (E, k, T, H, I)
+    (1, 1, 6, 16, 8),
+    (7, 2, 9, 13, 11),
+    (64, 8, 20, 24, 16),
+    (64, 8, 20, 24, 10),
+    (7, 2, 1, 13, 11),
+    (7, 2, 0, 13, 11),
+]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E,k,T,H,I", CASES)
+def test_experts_equal_transformers_eager(family, dtype, E, k, T, H, I):
+    cls, config_cls = (Qwen2MoeExperts, Qwen2MoeConfig) if family == "qwen2_moe" else (Qwen3MoeExperts, Qwen3MoeConfig)
+    module = make_experts(cls, config_cls, E, H, I, dtype)
+    hidden = torch.randn(T, H).to(dtype)
+    ids, weights = routing(T, E, k)
+    weights = weights.to(dtype)
+
+    if T == 0:  # transformers' loop hits no expert and returns a constant: check shapes and zero grads only
+        h, gu = hidden.clone().requires_grad_(True), module.gate_up_proj.detach().clone().requires_grad_(True)
+        got = ops.experts(h, ids, weights, gu, module.down_proj.detach())
+        assert got.shape == (0, H)
+        got.sum().backward()
+        assert h.grad.shape == (0, H) and torch.equal(gu.grad, torch.zeros_like(gu))
+        return
+    h1 = hidden.clone().requires_grad_(True)
+    w1 = weights.clone().requires_grad_(True)
+    want = module(h1, ids, w1)
+    dy = torch.randn(want.shape).to(dtype)
+    want.backward(dy)
+
+    h2, w2 = hidden.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    gu, dn = module.gate_up_proj.detach().clone().requires_grad_(True), module.down_proj.detach().clone().requires_grad_(True)
+    got = ops.experts(h2, ids, w2, gu, dn)
+    got.backward(dy)
+
+    scale = 1.0 if dtype == torch.float32 else 2.0
+    assert_close(got, want.detach(), dtype, scale)
+    assert_close(h2.grad, h1.grad, dtype, scale)
+    assert_close(w2.grad, w1.grad, dtype, scale)
+    assert_close(gu.grad, module.gate_up_proj.grad, dtype, scale)
+    assert_close(dn.grad, module.down_proj.grad, dtype, scale)
+    # And transformers' own grouped_mm implementation, forward (torch._grouped_mm needs 16-byte strides).
+    if H % 8 == 0 and I % 8 == 0:
+        module.config._experts_implementation = "grouped_mm"
+        with torch.no_grad():
+            assert_close(got.detach(), module(hidden, ids, weights), dtype, scale)
+
+
+def test_experts_all_tokens_on_one_expert_and_unused_experts():
+    E, k, T, H, I = 6, 2, 11, 10, 7
+    hidden = torch.randn(T, H)
+    ids, weights = routing(T, E, k, skew=3)
+    gu, dn = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    (y, grads), (yr, grads_r) = (grads_of(f, [hidden, ids, weights, gu, dn]) for f in (ops.experts, ops.reference_experts))
+    assert_close(y, yr, torch.float32)
+    for g, gr in zip(grads, grads_r):
+        if g is not None:
+            assert_close(g, gr, torch.float32)
+    unused = [e for e in range(E) if not (ids == e).any()]
+    assert unused and all(torch.equal(grads[3][e], torch.zeros(2 * I, H)) for e in unused)
+
+
+def test_experts_non_contiguous_weights():
+    E, k, T, H, I = 5, 2, 8, 9, 6
+    hidden = torch.randn(T, H)
+    ids, weights = routing(T, E, k)
+    gu = torch.randn(E, H, 2 * I).transpose(1, 2)  # [E, 2I, H] view of a transposed buffer
+    dn = torch.randn(E, H, 2 * I)[:, :, :I]       # sliced
+    (y, grads), (yr, grads_r) = (grads_of(f, [hidden, ids, weights, gu, dn]) for f in (ops.experts, ops.reference_experts))
+    assert_close(y, yr, torch.float32)
+    for g, gr in zip(grads, grads_r):
+        if g is not None:
+            assert_close(g, gr, torch.float32)
+
+
+def test_experts_gradcheck_float64():
+    E, k, T, H, I = 4, 2, 5, 3, 2
+    ids, weights = routing(T, E, k)
+    args = (torch.randn(T, H, dtype=torch.float64, requires_grad=True), ids,
+            weights.double().requires_grad_(True), torch.randn(E, 2 * I, H, dtype=torch.float64, requires_grad=True),
+            torch.randn(E, H, I, dtype=torch.float64, requires_grad=True))
+    assert torch.autograd.gradcheck(lambda h, w, gu, dn: ops.experts(h, ids, w, gu, dn),
+                                    (args[0], args[2], args[3], args[4]))
+
+
+def test_experts_deterministic_across_runs_and_threads():
+    E, k, T, H, I = 16, 4, 64, 48, 40
+    hidden = torch.randn(T, H)
+    ids, weights = routing(T, E, k)
+    gu, dn = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 2):
+            torch.set_num_threads(threads)
+            results.append(grads_of(ops.experts, [hidden, ids, weights, gu, dn]))
+    finally:
+        torch.set_num_threads(before)
+    (y0, g0) = results[0]
+    for y, g in results[1:]:
+        assert torch.equal(y, y0)
+        for a, b in zip(g, g0):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_experts_opcheck():
+    E, k, T, H, I = 4, 2, 6, 8, 5
+    ids, weights = routing(T, E, k)
+    args = (torch.randn(T, H, requires_grad=True), ids, weights.requires_grad_(True),
+            torch.randn(E, 2 * I, H, requires_grad=True), torch.randn(E, H, I, requires_grad=True))
+    torch.library.opcheck(ops.experts.default, args)
+
+
+def test_experts_bad_input():
+    E, k, T, H, I = 4, 2, 6, 8, 5
+    ids, weights = routing(T, E, k)
+    hidden, gu, dn = torch.randn(T, H), torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    bad_ids = ids.clone()
+    bad_ids[2, 1] = E
+    with pytest.raises(RuntimeError, match=r"topk_ids must be in \[0, 4\), got 4"):
+        ops.experts(hidden, bad_ids, weights, gu, dn)
+    with pytest.raises(RuntimeError, match=r"down_proj must be \[E, H, I\] = \[4, 8, 5\]"):
+        ops.experts(hidden, ids, weights, gu, torch.randn(E, H, I + 1))
+    with pytest.raises(RuntimeError, match="topk_weights must have the shape of topk_ids"):
+        ops.experts(hidden, ids, weights[:, :1], gu, dn)
+    with pytest.raises(RuntimeError, match="topk_ids must be int64 or int32"):
+        ops.experts(hidden, ids.float(), weights, gu, dn)
+    with pytest.raises(RuntimeError, match="gate_up_proj must have the dtype of hidden"):
+        ops.experts(hidden, ids, weights, gu.double(), dn)
