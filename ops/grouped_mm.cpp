@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "include/kernmap/ops.h"
+#include "kernels/cpu/isa.h"
 #include "ops/checks.h"
 
 namespace kernmap::ops {
@@ -17,10 +18,10 @@ namespace {
 
 constexpr const char* kOp = "grouped_mm";
 
-// Tile sizes: small enough that uneven or small groups still give every thread work, large enough that each
-// BLAS call amortizes its setup.
+// Tiles: small enough that small or uneven groups still give every thread work, large enough to amortize the
+// per-tile setup. Columns are tiled in multiples of the kernels' 64-column register blocks.
 constexpr int64_t kRowTile = 128;
-constexpr int64_t kColTile = 256;
+constexpr int64_t kColTile = 128;
 
 struct Task {
   int64_t group, r0, r1, c0, c1;
@@ -34,7 +35,8 @@ std::vector<int64_t> group_starts(const at::Tensor& offs) {
   return starts;
 }
 
-// Tasks covering rows [starts[e], starts[e+1]) x columns [0, cols) of every group, tiled.
+// Tasks covering rows [starts[e], starts[e+1]) x columns [0, cols) of every group; rows are tiled unless a task
+// must see all of its group's rows (a reduction over them).
 std::vector<Task> tile(const std::vector<int64_t>& starts, int64_t cols, bool tile_rows) {
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < starts.size(); ++e) {
@@ -144,13 +146,39 @@ void check_offs(const char* op, const at::Tensor& offs, int64_t E, int64_t T, co
               ", got ", E == 0 ? std::string("no groups") : std::to_string(previous));
 }
 
+// The kernels read a row-major operand in place when its last dimension is contiguous; other layouts (and
+// float64, which only the gradient checks use) go through one BLAS product per tile.
+bool kernel_dtype(const at::Tensor& t) { return t.scalar_type() != at::kDouble; }
+
 at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
-  at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options());
-  const auto tasks = tile(group_starts(offs), b.size(2), /*tile_rows=*/true);
-  run_tasks(tasks, [&](const Task& t) {
-    at::Tensor dst = out.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1);
-    at::mm_out(dst, a.slice(0, t.r0, t.r1), b.select(0, t.group).slice(1, t.c0, t.c1));
-  });
+  const int64_t N = b.size(2), K = a.size(1);
+  at::Tensor out = at::empty({a.size(0), N}, a.options());
+  const auto tasks = tile(group_starts(offs), N, /*tile_rows=*/true);
+  const bool a_rows = a.stride(1) == 1 || K <= 1;
+  const auto& k = cpu::kernel_table();
+  const auto dt = cpu_dtype(a.scalar_type());
+  const int64_t es = a.element_size();
+  const char* pa = static_cast<const char*>(a.const_data_ptr());
+  const char* pb = static_cast<const char*>(b.const_data_ptr());
+  char* po = static_cast<char*>(out.data_ptr());
+  if (kernel_dtype(a) && a_rows && b.stride(1) == 1) {
+    // b[e] is the transpose of an [N, K] matrix with K-contiguous rows (nn.Linear layout): dot products.
+    run_tasks(tasks, [&](const Task& t) {
+      k.gemm_nt(dt, t.r1 - t.r0, t.c1 - t.c0, K, pa + t.r0 * a.stride(0) * es, a.stride(0),
+                pb + (t.group * b.stride(0) + t.c0 * b.stride(2)) * es, b.stride(2), po + (t.r0 * N + t.c0) * es, N);
+    });
+  } else if (kernel_dtype(a) && a_rows && b.stride(2) == 1) {
+    // b[e] is [K, N] with N-contiguous rows: outer products.
+    run_tasks(tasks, [&](const Task& t) {
+      k.gemm_bcast(dt, t.r1 - t.r0, t.c1 - t.c0, K, pa + t.r0 * a.stride(0) * es, a.stride(0), 1,
+                   pb + (t.group * b.stride(0) + t.c0) * es, b.stride(1), po + (t.r0 * N + t.c0) * es, N);
+    });
+  } else {
+    run_tasks(tasks, [&](const Task& t) {
+      at::Tensor dst = out.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1);
+      at::mm_out(dst, a.slice(0, t.r0, t.r1), b.select(0, t.group).slice(1, t.c0, t.c1));
+    });
+  }
   return out;
 }
 
@@ -160,13 +188,27 @@ at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, con
   const std::vector<int64_t> starts = group_starts(offs);
   for (int64_t e = 0; e < E; ++e)
     if (starts[e] == starts[e + 1]) out.select(0, e).zero_();
-  // Each task owns a column tile of one group's [M, N] block and sums over all of the group's rows, so the
-  // result does not depend on the thread count.
+  // Each task owns a column tile of one group's [M, N] block and sums over all of the group's rows in order, so
+  // the result does not depend on the thread count.
   const auto tasks = tile(starts, N, /*tile_rows=*/false);
-  run_tasks(tasks, [&](const Task& t) {
-    at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
-    at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
-  });
+  if (kernel_dtype(x) && (y.stride(1) == 1 || N <= 1)) {
+    const auto& k = cpu::kernel_table();
+    const auto dt = cpu_dtype(x.scalar_type());
+    const int64_t es = x.element_size();
+    const char* px = static_cast<const char*>(x.const_data_ptr());
+    const char* py = static_cast<const char*>(y.const_data_ptr());
+    char* po = static_cast<char*>(out.data_ptr());
+    run_tasks(tasks, [&](const Task& t) {
+      // out[e][i, n] = sum_r x[r, i] * y[r, n]: A(i, r) = x[r, i].
+      k.gemm_bcast(dt, M, t.c1 - t.c0, t.r1 - t.r0, px + t.r0 * x.stride(0) * es, x.stride(1), x.stride(0),
+                   py + (t.r0 * y.stride(0) + t.c0) * es, y.stride(0), po + (t.group * M * N + t.c0) * es, N);
+    });
+  } else {
+    run_tasks(tasks, [&](const Task& t) {
+      at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
+      at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
+    });
+  }
   return out;
 }
 

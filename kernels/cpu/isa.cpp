@@ -11,7 +11,7 @@ namespace {
 #define KERNMAP_TABLE(ns, lvl)                                                                           \
   KernelTable {                                                                                          \
     lvl, &ns::rms_norm_fwd, &ns::rms_norm_bwd, &ns::silu_fwd, &ns::silu_bwd, &ns::silu_and_mul_fwd,      \
-        &ns::silu_and_mul_bwd                                                                            \
+        &ns::silu_and_mul_bwd, &ns::gemm_nt, &ns::gemm_bcast                                                            \
   }
 const KernelTable kTables[] = {
     KERNMAP_TABLE(baseline, Level::kBaseline),

@@ -23,6 +23,8 @@ struct KernelTable {
   decltype(&baseline::silu_bwd) silu_bwd;
   decltype(&baseline::silu_and_mul_fwd) silu_and_mul_fwd;
   decltype(&baseline::silu_and_mul_bwd) silu_and_mul_bwd;
+  decltype(&baseline::gemm_nt) gemm_nt;
+  decltype(&baseline::gemm_bcast) gemm_bcast;
 };
 
 /// The table of the active level (chosen on first call).

@@ -1,0 +1,136 @@
+// Small-M matrix products for grouped expert products, compiled once per instruction-set level: the "NT" form
+// of the forward pass (dot products along K, both operands K-contiguous) and the outer-product form of the
+// backward passes (broadcast a scalar of A, multiply a vector of B's row).
+#include "kernels/cpu/vec.h"
+
+namespace kernmap::cpu {
+namespace KERNMAP_CPU_LEVEL {
+namespace {
+
+constexpr int kMr = 4;
+constexpr int kNr = 4;
+
+// Scalar math: C[m, n] = round(sum_k float(A[m, k]) * float(B[n, k]))
+template <class T, int MR, int NR>
+void block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t K) {
+  using Ac = Acc<T>;
+  using V = Vec<Ac>;
+  V acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = V{};
+  const int64_t Kb = K - K % kBlock;
+  for (int64_t k = 0; k < Kb; k += kBlock) {
+    V a[MR], b[NR];
+    for (int i = 0; i < MR; ++i) a[i] = load<Ac>(A + i * lda + k);
+    for (int j = 0; j < NR; ++j) b[j] = load<Ac>(B + j * ldb + k);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] += a[i] * b[j];
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      Ac s = lane_sum(acc[i][j]);
+      for (int64_t k = Kb; k < K; ++k) s += to_acc<Ac>(A[i * lda + k]) * to_acc<Ac>(B[j * ldb + k]);
+      C[i * ldc + j] = from_acc<T>(s);
+    }
+}
+
+// Edge blocks (fewer than kMr rows or kNr columns left) go through the 1 x 1 block.
+template <class T>
+void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N, int64_t K) {
+  const int64_t Mb = M - M % kMr, Nb = N - N % kNr;
+  for (int64_t n = 0; n < Nb; n += kNr) {
+    for (int64_t m = 0; m < Mb; m += kMr)
+      block<T, kMr, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+    for (int64_t m = Mb; m < M; ++m) block<T, 1, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+  }
+  for (int64_t n = Nb; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) block<T, 1, 1>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+}
+
+// Scalar math: C[m, n] = round(sum_p float(A(m, p)) * float(B[p, n]))
+// Register block: MR rows of C x NV vectors along n, accumulated over all of P.
+template <class T, int MR, int NV>
+void bcast_block(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t P) {
+  using Ac = Acc<T>;
+  using V = Vec<Ac>;
+  V acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+  for (int64_t p = 0; p < P; ++p) {
+    V b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = load<Ac>(B + p * ldb + j * kBlock);
+    for (int i = 0; i < MR; ++i) {
+      const Ac a = to_acc<Ac>(A[i * a_m + p * a_p]);
+      for (int j = 0; j < NV; ++j) acc[i][j] += a * b[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) store(C + i * ldc + j * kBlock, acc[i][j]);
+}
+
+// Columns beyond the last full vector: scalar.
+template <class T>
+void bcast_tail(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
+                int64_t n0, int64_t N, int64_t P) {
+  using Ac = Acc<T>;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < N; ++n) {
+      Ac s = 0;
+      for (int64_t p = 0; p < P; ++p) s += to_acc<Ac>(A[m * a_m + p * a_p]) * to_acc<Ac>(B[p * ldb + n]);
+      C[m * ldc + n] = from_acc<T>(s);
+    }
+}
+
+constexpr int kBcastRows = 4;
+constexpr int kBcastVecs = 4;
+
+template <class T>
+void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
+                int64_t N, int64_t P) {
+  const int64_t wide = kBcastVecs * kBlock;
+  const int64_t Nw = N - N % wide, Nv = N - N % kBlock, Mb = M - M % kBcastRows;
+  for (int64_t n = 0; n < Nw; n += wide) {
+    for (int64_t m = 0; m < Mb; m += kBcastRows)
+      bcast_block<T, kBcastRows, kBcastVecs>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P);
+    for (int64_t m = Mb; m < M; ++m) bcast_block<T, 1, kBcastVecs>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P);
+  }
+  for (int64_t n = Nw; n < Nv; n += kBlock)
+    for (int64_t m = 0; m < M; ++m) bcast_block<T, 1, 1>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P);
+  if (Nv < N) bcast_tail(A, a_m, a_p, B, ldb, C, ldc, M, Nv, N, P);
+}
+
+template <class F>
+void dispatch(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kFloat64:
+      return f(double{});
+    case DType::kBFloat16:
+      return f(BFloat16{});
+    case DType::kFloat16:
+      return f(Float16{});
+  }
+}
+
+}  // namespace
+
+void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int64_t a_m, int64_t a_p,
+                const void* B, int64_t ldb, void* C, int64_t ldc) {
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gemm_outer<T>(static_cast<const T*>(A), a_m, a_p, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M, N,
+                  P);
+  });
+}
+
+void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B, int64_t ldb,
+             void* C, int64_t ldc) {
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gemm<T>(static_cast<const T*>(A), lda, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M, N, K);
+  });
+}
+
+}  // namespace KERNMAP_CPU_LEVEL
+}  // namespace kernmap::cpu
