@@ -16,7 +16,8 @@ constexpr const char* kUsage =
     "  bench ops [--json] [--filter REGEX]    kernmap kernels against the reference, with GB/s and % of\n"
     "            [--warmup N] [--reps N]      the machine's measured copy bandwidth\n"
     "\n"
-    "environment: KERNMAP_DISABLE=all|Layer,...  KERNMAP_LOG=1  KERNMAP_CPU_ISA=baseline|avx2|avx512\n";
+    "environment: KERNMAP_DISABLE=all|Layer,...  KERNMAP_LOG=1  "
+    "KERNMAP_CPU_ISA=baseline|avx2|avx512|avx512bf16\n";
 
 }  // namespace
 

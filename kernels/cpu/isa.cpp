@@ -17,6 +17,7 @@ const KernelTable kTables[] = {
     KERNMAP_TABLE(baseline, Level::kBaseline),
     KERNMAP_TABLE(avx2, Level::kAvx2),
     KERNMAP_TABLE(avx512, Level::kAvx512),
+    KERNMAP_TABLE(avx512bf16, Level::kAvx512Bf16),
 };
 #undef KERNMAP_TABLE
 
@@ -30,13 +31,15 @@ bool cpu_runs(Level level) {
     case Level::kAvx512:
       return cpu_runs(Level::kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case Level::kAvx512Bf16:
+      return cpu_runs(Level::kAvx512) && __builtin_cpu_supports("avx512bf16");
   }
   return false;
 }
 
 Level best_level() {
   Level best = Level::kBaseline;
-  for (Level l : {Level::kAvx2, Level::kAvx512})
+  for (Level l : {Level::kAvx2, Level::kAvx512, Level::kAvx512Bf16})
     if (cpu_runs(l)) best = l;
   return best;
 }
@@ -47,7 +50,9 @@ Level initial_level() {
   if (env == nullptr || *env == '\0') return best;
   std::optional<Level> want = parse_level(env);
   if (!want) {
-    std::fprintf(stderr, "[kernmap] KERNMAP_CPU_ISA=%s is not a level (expected baseline, avx2 or avx512); using %s\n",
+    std::fprintf(stderr,
+                 "[kernmap] KERNMAP_CPU_ISA=%s is not a level (expected baseline, avx2, avx512 or "
+                 "avx512bf16); using %s\n",
                  env, level_name(best));
     return best;
   }
@@ -91,6 +96,8 @@ const char* level_name(Level level) {
       return "avx2";
     case Level::kAvx512:
       return "avx512";
+    case Level::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "unknown";
 }

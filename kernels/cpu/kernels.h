@@ -17,5 +17,8 @@ namespace avx2 {
 namespace avx512 {
 #include "kernels/cpu/kernel_functions.inc"
 }  // namespace avx512
+namespace avx512bf16 {
+#include "kernels/cpu/kernel_functions.inc"
+}  // namespace avx512bf16
 
 }  // namespace kernmap::cpu

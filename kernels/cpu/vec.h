@@ -27,7 +27,6 @@ typedef float VF __attribute__((vector_size(kBlock * sizeof(float))));
 typedef double VD __attribute__((vector_size(kBlock * sizeof(double))));
 typedef int32_t VI __attribute__((vector_size(kBlock * sizeof(int32_t))));
 typedef uint32_t VU __attribute__((vector_size(kBlock * sizeof(uint32_t))));
-typedef uint16_t VH __attribute__((vector_size(kBlock * sizeof(uint16_t))));
 
 struct BFloat16 {
   uint16_t bits;
@@ -116,6 +115,8 @@ inline A round_to(A v) {
 }
 
 // ---- block loads, stores and rounding ------------------------------------------------------------------
+// Written with the level's intrinsics where GCC's generic vector code costs several instructions more (the
+// bf16 widening and narrowing, the NaN select).
 
 inline VF load_native(const float* p) {
   VF v;
@@ -127,10 +128,17 @@ inline VD load_native(const double* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+// A bf16 is the high half of a float: widen each 16-bit lane and shift it up.
 inline VF load_native(const BFloat16* p) {
-  VH h;
-  std::memcpy(&h, p, sizeof h);
-  return (VF)(__builtin_convertvector(h, VU) << 16);
+#if defined(__AVX512F__)
+  return (VF)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                               16);
+#elif defined(__AVX2__)
+  return (VF)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                               16);
+#else
+  return (VF)_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#endif
 }
 inline VF load_native(const Float16* p) {
   VF v;
@@ -146,16 +154,38 @@ inline VF load_native(const Float16* p) {
 
 inline void store_native(float* p, VF v) { std::memcpy(p, &v, sizeof v); }
 inline void store_native(double* p, VD v) { std::memcpy(p, &v, sizeof v); }
-// Round to nearest even on the bits; NaN becomes a quiet NaN with its sign.
-inline VU bf16_rounded_bits(VF v) {
+// Round to nearest even on the bits; NaN becomes a quiet NaN with its sign. Only the high half of each lane
+// is the result (callers clear or shift out the low half).
+inline VU bf16_round_high(VF v) {
   VU u = (VU)v;
-  VU rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  VU nan = (u | 0x400000u) & 0xffff0000u;
-  return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+  VU rounded = u + 0x7fffu + ((u >> 16) & 1u);
+#if defined(__AVX512F__)
+  // The compare into a mask register and a masked or replace GCC's compare-and-blend of the generic select.
+  return (VU)_mm512_mask_or_epi32((__m512i)rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), (__m512i)u,
+                                  _mm512_set1_epi32(0x400000));
+#else
+  return v != v ? u | 0x400000u : rounded;
+#endif
 }
+// vcvtneps2bf16 (avx512bf16 level) rounds to nearest even and keeps NaNs quiet like the code below, but
+// treats subnormal floats as zero, where torch's conversion rounds them (to a bf16 subnormal, or up to
+// FLT_MIN): the price of replacing about seven instructions by one. Only results below 1.2e-38 in magnitude
+// differ.
 inline void store_native(BFloat16* p, VF v) {
-  VH h = __builtin_convertvector(bf16_rounded_bits(v) >> 16, VH);
-  std::memcpy(p, &h, sizeof h);
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#elif defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16((__m512i)(bf16_round_high(v) >> 16)));
+#elif defined(__AVX2__)
+  // The arithmetic shift sign-extends the high half, so the signed saturating pack keeps it unchanged.
+  __m256i h = _mm256_srai_epi32((__m256i)bf16_round_high(v), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+#else
+  __m128i h = _mm_srai_epi32((__m128i)bf16_round_high(v), 16);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(h, h));
+#endif
 }
 inline void store_native(Float16* p, VF v) {
 #if defined(__AVX512F__)
@@ -191,11 +221,22 @@ inline void store(T* p, V v) {
 template <class T, class V>
 inline V round_block(V v) {
   if constexpr (std::is_same_v<T, BFloat16>) {
-    return (VF)bf16_rounded_bits(v);
+#if defined(__AVX512BF16__)
+    // Subnormals become zero, as in store_native.
+    return (VF)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16);
+#else
+    return (VF)(bf16_round_high(v) & 0xffff0000u);
+#endif
   } else if constexpr (std::is_same_v<T, Float16>) {
+#if defined(__AVX512F__)
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
     Float16 tmp[kBlock];
     store_native(tmp, v);
     return load_native(tmp);
+#endif
   } else {
     return v;
   }
@@ -211,37 +252,75 @@ inline auto lane_sum(V v) {
 
 // ---- math ----------------------------------------------------------------------------------------------
 
-/// exp(x) for a float block: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative
-/// error < 2e-7), scaled by 2^n through the exponent bits. Inputs are clamped to [-87, 88] (results stay
-/// normal), except NaN, which propagates.
-inline VF exp_block(VF x) {
-  x = x < -87.0f ? VF{} - 87.0f : x;
-  x = x > 88.0f ? VF{} + 88.0f : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  VF n = (x * 1.44269504088896341f + shifter) - shifter;
-  VF r = x - n * 0.693145751953125f;  // ln2 split into a part exact in float and the rest
-  r = r - n * 1.428606765330187e-06f;
-  VF p = VF{} + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  VI e = (__builtin_convertvector(n, VI) + 127) << 23;
-  return p * (VF)e;
+/// a * b + c, fused (one rounding) where the level has FMA; the build does not contract expressions itself.
+inline VF madd(VF a, VF b, VF c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__AVX2__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
 }
-inline VD exp_block(VD x) {
-  for (int j = 0; j < kBlock; ++j) x[j] = std::exp(x[j]);
+/// c - a * b, fused where the level has FMA.
+inline VF nmadd(VF a, VF b, VF c) {
+#if defined(__AVX512F__)
+  return _mm512_fnmadd_ps(a, b, c);
+#elif defined(__AVX2__)
+  return _mm256_fnmadd_ps(a, b, c);
+#else
+  return c - a * b;
+#endif
+}
+
+/// e^-x for a float block (sigmoid's only need; negating inside saves an instruction). -x = n ln2 + r with
+/// |r| <= ln2/2; e^r by a degree-5 minimax polynomial (relative error < 2e-7 for results above FLT_MIN;
+/// Horner, because the loops keep enough blocks in flight that instruction count, not latency, bounds them),
+/// times 2^n. x is clamped to [-88, 87] (e^88 stays finite,
+/// and infinities never reach the reduction, where inf - inf would make a NaN). A NaN x gives a finite
+/// value at some levels: every caller multiplies the result's use by x, which carries the NaN.
+inline VF exp_neg_block(VF x) {
+  const float log2e = 1.44269504088896341f;
+  const float ln2_hi = 0.693145751953125f;  // ln2 split into a part exact in float (times any n) and the rest
+  const float ln2_lo = 1.428606765330187e-06f;
+#if defined(__AVX512F__)
+  // One instruction for both bounds: the smaller magnitude of x and 88, with x's sign. Results below
+  // FLT_MIN come out subnormal through scalef.
+  x = _mm512_range_ps(x, _mm512_set1_ps(88.0f), 0x02);
+  VF n = _mm512_roundscale_ps(x * -log2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  // The integer scaling below needs normal results.
+  x = x < -88.0f ? VF{} - 88.0f : x;
+  x = x > 87.0f ? VF{} + 87.0f : x;
+  // Adding 1.5 * 2^23 rounds to an integer, which then sits in the low mantissa bits of t.
+  VF t = madd(x, VF{} - log2e, VF{} + 12582912.0f);
+  VF n = t - 12582912.0f;
+#endif
+  VF s = madd(n, VF{} + ln2_hi, x);  // s = -r
+  s = madd(n, VF{} + ln2_lo, s);
+  // e^r = c0 + c1 r + ... + c5 r^5, evaluated in s, so the odd coefficients change sign.
+  VF p = VF{} - 8.2976194662806e-3f;
+  p = madd(p, s, VF{} + 4.1915629250567e-2f);
+  p = madd(p, s, VF{} - 1.6667576541808804e-1f);
+  p = madd(p, s, VF{} + 4.9998892661192695e-1f);
+  p = madd(p, s, VF{} - 9.999996910699437e-1f);
+  p = madd(p, s, VF{} + 1.0000000718663848f);
+#if defined(__AVX512F__)
+  return _mm512_scalef_ps(p, n);
+#else
+  // t's bits are those of 1.5 * 2^23 plus n; shifted by 23 only n's bits survive, giving n as an exponent.
+  return p * (VF)(((VI)t + 127) << 23);
+#endif
+}
+inline VD exp_neg_block(VD x) {
+  for (int j = 0; j < kBlock; ++j) x[j] = std::exp(-x[j]);
   return x;
 }
-inline float exp_scalar(float x) {
+inline float exp_neg_scalar(float x) {
   VF v = VF{} + x;
-  return exp_block(v)[0];
+  return exp_neg_block(v)[0];
 }
-inline double exp_scalar(double x) { return std::exp(x); }
 
-/// sigmoid = 1 / (1 + e^-x), for blocks and scalars.
 /// 1 / d for a float block: the hardware reciprocal estimate refined by one Newton step (relative error about
 /// 2^-22), several times the throughput of a division.
 inline VF reciprocal(VF d) {
@@ -252,15 +331,18 @@ inline VF reciprocal(VF d) {
 #else
   VF r = _mm_rcp_ps(d);
 #endif
-  return r * (2.0f - d * r);
+  return madd(r, nmadd(d, r, VF{} + 1.0f), r);  // r + r (1 - d r)
 }
 inline VD reciprocal(VD d) { return 1.0 / d; }
 
+/// sigmoid = 1 / (1 + e^-x), for blocks and scalars.
 template <class V>
 inline V sigmoid(V x) {
-  return reciprocal(1 + exp_block(-x));
+  return reciprocal(1 + exp_neg_block(x));
 }
-inline float sigmoid_scalar(float x) { return 1.0f / (1.0f + exp_scalar(-x)); }
+inline float sigmoid_scalar(float x) {
+  return 1.0f / (1.0f + exp_neg_scalar(x));
+}
 inline double sigmoid_scalar(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 }  // namespace KERNMAP_CPU_LEVEL

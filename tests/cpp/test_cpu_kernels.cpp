@@ -134,6 +134,26 @@ TEST_P(CpuKernels, SwigluAndSiluMatchReference) {
   }
 }
 
+// The kernels emulate the eager module's roundings; at::silu in the same dtype evaluates with another exp and
+// division, so a few results may land on the other side of a rounding boundary, but no further.
+::testing::AssertionResult nearly_bit_exact(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor gb = got.contiguous().view(at::kShort).to(at::kInt);
+  const at::Tensor wb = want.contiguous().view(at::kShort).to(at::kInt);
+  const at::Tensor same = got.eq(want) | gb.eq(wb);
+  const double identical = same.to(at::kDouble).mean().item<double>();
+  const int64_t max_ulps = at::where(same, at::zeros_like(gb), (gb - wb).abs()).max().item<int64_t>();
+  if (identical >= 0.99 && max_ulps <= 1) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "identical " << identical << ", max ulps apart " << max_ulps;
+}
+
+TEST_P(CpuKernels, LowPrecisionSiluMatchesEagerTorchBitForBit) {
+  if (dtype() != at::kBFloat16 && dtype() != at::kHalf) GTEST_SKIP() << "only the 16-bit dtypes round";
+  at::Tensor g = (3 * at::randn({16, 1031}, at::kDouble)).to(dtype());
+  at::Tensor u = at::randn({16, 1031}, at::kDouble).to(dtype());
+  EXPECT_TRUE(nearly_bit_exact(kernmap::silu_and_mul(g, u), at::silu(g) * u));
+  EXPECT_TRUE(nearly_bit_exact(kernmap::silu(g), at::silu(g)));
+}
+
 TEST_P(CpuKernels, SiluHandlesExtremeInputs) {
   at::Tensor x = at::tensor({-1e4, -100.0, -88.5, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.5, 100.0, 1e4}, at::kDouble)
                      .to(dtype());
