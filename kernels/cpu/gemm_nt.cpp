@@ -34,17 +34,51 @@ void block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, 
     }
 }
 
-// Edge blocks (fewer than kMr rows or kNr columns left) go through the 1 x 1 block.
+#if defined(__AVX512BF16__)
+// bf16 with the dot-product instruction: each lane adds a[2l] * b[2l] + a[2l+1] * b[2l+1] (exact products,
+// fp32 sums) — both operands K-contiguous, so 32 elements of K per instruction and no conversions.
+template <int MR, int NR>
+void block(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc, int64_t K) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t Kb = K - K % 32;
+  for (int64_t k = 0; k < Kb; k += 32) {
+    __m512bh a[MR], b[NR];
+    for (int i = 0; i < MR; ++i) a[i] = (__m512bh)_mm512_loadu_si512(A + i * lda + k);
+    for (int j = 0; j < NR; ++j) b[j] = (__m512bh)_mm512_loadu_si512(B + j * ldb + k);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a[i], b[j]);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t k = Kb; k < K; ++k) s += to_float(A[i * lda + k]) * to_float(B[j * ldb + k]);
+      C[i * ldc + j] = from_acc<BFloat16>(s);
+    }
+}
+#endif
+
+template <class T, int MR, int NR>
+void any_block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t K) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, BFloat16>) return block<MR, NR>(A, lda, B, ldb, C, ldc, K);
+#endif
+  block<T, MR, NR>(A, lda, B, ldb, C, ldc, K);
+}
+
+// Edge blocks (fewer than kMr rows or kNr columns left) go through narrower blocks.
 template <class T>
 void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N, int64_t K) {
   const int64_t Mb = M - M % kMr, Nb = N - N % kNr;
   for (int64_t n = 0; n < Nb; n += kNr) {
     for (int64_t m = 0; m < Mb; m += kMr)
-      block<T, kMr, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
-    for (int64_t m = Mb; m < M; ++m) block<T, 1, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+      any_block<T, kMr, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+    for (int64_t m = Mb; m < M; ++m)
+      any_block<T, 1, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
   }
   for (int64_t n = Nb; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) block<T, 1, 1>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+    for (int64_t m = 0; m < M; ++m) any_block<T, 1, 1>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
 }
 
 // Scalar math: C[m, n] = round(sum_p float(A(m, p)) * float(B[p, n]))
