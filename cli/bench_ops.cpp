@@ -10,12 +10,14 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <regex>
 #include <stdexcept>
 #include <string>
 #include <malloc.h>
 #include <unistd.h>
 
+#include "cli/bench.h"
 #include "cli/commands.h"
 #include "cli/table.h"
 #include "include/kernmap/ops.h"
@@ -29,18 +31,6 @@ struct Options {
   std::string filter;
   int warmup = 3;
   int reps = 11;
-};
-
-struct Impl {
-  std::string name;
-  std::function<void()> run;
-};
-
-// One benchmark case: an op, a pass and a dtype, with the implementations timed side by side.
-struct Case {
-  std::string op, pass, dtype, shape;
-  double bytes = 0;
-  std::vector<Impl> impls;
 };
 
 struct Timing {
@@ -80,65 +70,6 @@ double copy_gbps(const Options& o) {
   copy_opts.reps = std::max(o.reps, 5);
   const Timing t = time_interleaved({Impl{"copy", [&] { dst.copy_(src); }}}, copy_opts)[0];
   return 2.0 * n * 4 / (t.median_ms * 1e6);
-}
-
-at::ScalarType dtype_of(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
-
-std::string shape_string(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-// fwd+bwd of f on inputs that require grad, with a fixed upstream gradient; grads are dropped between runs so
-// no accumulation pass is timed.
-std::function<void()> fwd_bwd(std::vector<at::Tensor> inputs, at::Tensor grad,
-                              std::function<at::Tensor(const std::vector<at::Tensor>&)> f) {
-  for (auto& t : inputs) t.requires_grad_(true);
-  return [inputs, grad, f] {
-    at::Tensor y = f(inputs);
-    torch::autograd::backward({y}, {grad});
-    for (const auto& t : inputs) t.mutable_grad().reset();
-  };
-}
-
-std::vector<Case> rms_norm_cases(const std::string& dtype) {
-  const at::ScalarType dt = dtype_of(dtype);
-  const int64_t T = 4096, H = 3584;  // Qwen2-7B hidden size
-  at::Tensor x = at::randn({T, H}).to(dt);
-  at::Tensor w = (1 + 0.1 * at::randn({H})).to(dt);
-  at::Tensor dy = at::randn({T, H}).to(dt);
-  const double e = x.element_size();
-  const double fwd_bytes = e * (T * H + H + T * H);
-  const double bwd_bytes = fwd_bytes + e * (T * H + T * H + H + T * H + H);
-  const double eps = 1e-6;
-  auto kern = [eps](const std::vector<at::Tensor>& in) { return kernmap::rms_norm(in[0], in[1], eps); };
-  auto ref = [eps](const std::vector<at::Tensor>& in) { return kernmap::reference::rms_norm(in[0], in[1], eps); };
-  Case fwd{"rms_norm", "fwd", dtype, shape_string(x.sizes()), fwd_bytes,
-           {{"kernmap", [=] { at::NoGradGuard g; kern({x, w}); }}, {"reference", [=] { at::NoGradGuard g; ref({x, w}); }}}};
-  Case both{"rms_norm", "fwd+bwd", dtype, shape_string(x.sizes()), bwd_bytes,
-            {{"kernmap", fwd_bwd({x.clone(), w.clone()}, dy, kern)},
-             {"reference", fwd_bwd({x.clone(), w.clone()}, dy, ref)}}};
-  return {fwd, both};
-}
-
-std::vector<Case> silu_and_mul_cases(const std::string& dtype) {
-  const at::ScalarType dt = dtype_of(dtype);
-  const int64_t T = 4096, I = 18944;  // Qwen2-7B intermediate size
-  at::Tensor gate = at::randn({T, I}).to(dt);
-  at::Tensor up = at::randn({T, I}).to(dt);
-  at::Tensor dy = at::randn({T, I}).to(dt);
-  const double e = gate.element_size();
-  const double n = double(T) * I;
-  auto kern = [](const std::vector<at::Tensor>& in) { return kernmap::silu_and_mul(in[0], in[1]); };
-  auto ref = [](const std::vector<at::Tensor>& in) { return kernmap::reference::silu_and_mul(in[0], in[1]); };
-  Case fwd{"silu_and_mul", "fwd", dtype, shape_string(gate.sizes()), e * 3 * n,
-           {{"kernmap", [=] { at::NoGradGuard g; kern({gate, up}); }},
-            {"reference", [=] { at::NoGradGuard g; ref({gate, up}); }}}};
-  Case both{"silu_and_mul", "fwd+bwd", dtype, shape_string(gate.sizes()), e * 6 * n,
-            {{"kernmap", fwd_bwd({gate.clone(), up.clone()}, dy, kern)},
-             {"reference", fwd_bwd({gate.clone(), up.clone()}, dy, ref)}}};
-  return {fwd, both};
 }
 
 Options parse(const std::vector<std::string>& args) {
@@ -187,6 +118,22 @@ void keep_freed_memory() {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
+// The machine's practical GEMM throughput for a dtype: a large square-ish product, median of repetitions.
+double dense_gflops(const std::string& dtype, const Options& o) {
+  const at::ScalarType dt = dtype_of(dtype);
+  const at::Tensor a = at::randn({2048, 2048}).to(dt), b = at::randn({2048, 2048}).to(dt);
+  Options opts = o;
+  opts.reps = std::max(3, std::min(o.reps, 7));
+  const Timing t = time_interleaved({Impl{"dense", [&] { at::NoGradGuard g; at::mm(a, b); }}}, opts)[0];
+  return 2.0 * 2048 * 2048 * 2048 / (t.median_ms * 1e6);
+}
+
+struct Row {
+  Case c;
+  std::string impl;
+  Timing t;
+};
+
 int bench_command(const std::vector<std::string>& args) {
   const Options o = parse(args);
   keep_freed_memory();
@@ -198,47 +145,61 @@ int bench_command(const std::vector<std::string>& args) {
   }
   const bool progress = !o.json && isatty(STDERR_FILENO);
 
-  using Factory = std::function<std::vector<Case>(const std::string&)>;
-  const std::vector<std::pair<std::string, Factory>> families = {{"rms_norm", rms_norm_cases},
-                                                                 {"silu_and_mul", silu_and_mul_cases}};
+  const std::vector<std::pair<std::string, CaseFactory>> families = {{"rms_norm", rms_norm_cases},
+                                                                     {"silu_and_mul", silu_and_mul_cases},
+                                                                     {"grouped_mm", grouped_mm_cases},
+                                                                     {"experts", experts_cases}};
   const std::vector<std::string> dtypes = {"float32", "bfloat16"};
-  std::vector<std::pair<std::string, std::string>> todo;
-  for (const auto& [op, f] : families)
+  std::vector<std::pair<const CaseFactory*, std::string>> todo;
+  for (const auto& [op, factory] : families)
     for (const auto& dt : dtypes)
-      if (std::regex_search(op + "/" + dt, filter)) todo.push_back({op, dt});
+      if (std::regex_search(op + "/" + dt, filter)) todo.push_back({&factory, dt});
 
   const double copy = copy_gbps(o);
-  struct Row {
-    Case c;
-    std::string impl;
-    Timing t;
-  };
+  std::map<std::string, double> peak;  // dense GFLOP/s per dtype, measured when a case does FLOPs
   std::vector<Row> rows;
-  size_t done = 0;
-  for (const auto& [op, dt] : todo) {
-    for (const auto& [name, factory] : families) {
-      if (name != op) continue;
-      for (const Case& c : factory(dt)) {
-        if (progress) std::fprintf(stderr, "\r[%zu/%zu] %s %s %s...        ", done + 1, todo.size(), op.c_str(), c.pass.c_str(), dt.c_str());
-        const auto timings = time_interleaved(c.impls, o);
-        for (size_t i = 0; i < c.impls.size(); ++i) rows.push_back({c, c.impls[i].name, timings[i]});
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const auto& [factory, dt] = todo[i];
+    for (const CaseBuilder& build : (*factory)(dt)) {
+      const Case c = build();
+      if (progress)
+        std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, todo.size(), c.op.c_str(), c.pass.c_str(),
+                     dt.c_str(), c.shape.c_str());
+      if (c.flops > 0 && !peak.count(dt)) peak[dt] = dense_gflops(dt, o);
+      Options co = o;
+      if (c.max_reps > 0) {
+        co.reps = std::min(o.reps, c.max_reps);
+        co.warmup = std::min(o.warmup, 1);
       }
+      const auto timings = time_interleaved(c.impls, co);
+      for (size_t k = 0; k < c.impls.size(); ++k) rows.push_back({c, c.impls[k].name, timings[k]});
     }
-    ++done;
   }
-  if (progress) std::fprintf(stderr, "\r%60s\r", "");
+  if (progress) std::fprintf(stderr, "\r%100s\r", "");
 
   auto gbps = [](const Row& r) { return r.c.bytes / (r.t.median_ms * 1e6); };
+  auto gflops = [](const Row& r) { return r.c.flops / (r.t.median_ms * 1e6); };
+  // The floor: the larger of the FLOPs at the dense peak and the bytes at the copy bandwidth.
+  auto floor_ms = [&](const Row& r) {
+    const double compute = r.c.flops > 0 ? r.c.flops / (peak.at(r.c.dtype) * 1e6) : 0;
+    return std::max(compute, r.c.bytes / (copy * 1e6));
+  };
   auto reference_ms = [&](const Row& r) {
     for (const Row& o2 : rows)
-      if (o2.c.op == r.c.op && o2.c.pass == r.c.pass && o2.c.dtype == r.c.dtype && o2.impl == "reference")
+      if (o2.c.op == r.c.op && o2.c.pass == r.c.pass && o2.c.dtype == r.c.dtype && o2.c.shape == r.c.shape &&
+          o2.impl == "reference")
         return o2.t.median_ms;
     return r.t.median_ms;
   };
   if (o.json) {
-    std::string out = "{\"machine\": {\"copy_gbps\": " + fixed(copy, 2) +
-                      ", \"threads\": " + std::to_string(at::get_num_threads()) +
-                      ", \"cpu_level\": " + json_string(cpu::level_name(cpu::active_level())) + "}, \"results\": [";
+    std::string out = "{\"machine\": {\"copy_gbps\": " + fixed(copy, 2) + ", \"dense_gflops\": {";
+    bool first = true;
+    for (const auto& [dt, g] : peak) {
+      out += std::string(first ? "" : ", ") + json_string(dt) + ": " + fixed(g, 1);
+      first = false;
+    }
+    out += "}, \"threads\": " + std::to_string(at::get_num_threads()) +
+           ", \"cpu_level\": " + json_string(cpu::level_name(cpu::active_level())) + "}, \"results\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       out += std::string(i ? ", " : "") + "{\"op\": " + json_string(r.c.op) + ", \"pass\": " + json_string(r.c.pass) +
@@ -246,18 +207,27 @@ int bench_command(const std::vector<std::string>& args) {
              ", \"impl\": " + json_string(r.impl) + ", \"median_ms\": " + fixed(r.t.median_ms, 4) +
              ", \"min_ms\": " + fixed(r.t.min_ms, 4) + ", \"max_ms\": " + fixed(r.t.max_ms, 4) +
              ", \"gbps\": " + fixed(gbps(r), 2) + ", \"pct_of_copy\": " + fixed(100 * gbps(r) / copy, 1) +
-             ", \"speedup_vs_reference\": " + fixed(reference_ms(r) / r.t.median_ms, 3) + "}";
+             ", \"speedup_vs_reference\": " + fixed(reference_ms(r) / r.t.median_ms, 3) +
+             ", \"floor_ms\": " + fixed(floor_ms(r), 4) + ", \"x_floor\": " + fixed(r.t.median_ms / floor_ms(r), 3);
+      if (r.c.flops > 0) out += ", \"gflops\": " + fixed(gflops(r), 1);
+      out += "}";
     }
     std::printf("%s]}\n", out.c_str());
     return 0;
   }
-  std::printf("machine: copy bandwidth %.1f GB/s (read + write), %d threads, CPU level %s; %d warm-up + %d timed reps, medians\n\n",
-              copy, at::get_num_threads(), cpu::level_name(cpu::active_level()), o.warmup, o.reps);
-  Table t{{"op", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "speedup"}, {}};
+  std::printf("machine: copy bandwidth %.1f GB/s (read + write)", copy);
+  for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
+  std::printf("; %d threads, CPU level %s; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians\n\n",
+              at::get_num_threads(), cpu::level_name(cpu::active_level()), o.warmup, o.reps);
+  Table t{{"op", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s", "floor ms",
+           "x floor", "speedup"},
+          {}};
   for (const Row& r : rows)
     t.rows.push_back({r.c.op, r.c.pass, r.c.dtype, r.c.shape, r.impl, fixed(r.t.median_ms, 3),
                       fixed(r.t.min_ms, 2) + ".." + fixed(r.t.max_ms, 2), fixed(gbps(r), 1),
-                      fixed(100 * gbps(r) / copy, 1) + "%", fixed(reference_ms(r) / r.t.median_ms, 2) + "x"});
+                      fixed(100 * gbps(r) / copy, 1) + "%", r.c.flops > 0 ? fixed(gflops(r), 1) : "-",
+                      fixed(floor_ms(r), 2), fixed(r.t.median_ms / floor_ms(r), 2) + "x",
+                      fixed(reference_ms(r) / r.t.median_ms, 2) + "x"});
   std::printf("%s", t.render().c_str());
   return 0;
 }

@@ -166,6 +166,30 @@ TEST_P(CpuKernels, SiluHandlesExtremeInputs) {
   EXPECT_TRUE(std::isnan(s[1].item<double>()));
 }
 
+TEST_P(CpuKernels, GroupedMmBothLayoutsForwardBackwardMatchReference) {
+  // Uneven groups, an empty one, and sizes that leave edge blocks in every dimension.
+  const at::Tensor offs = at::tensor({5, 5, 23, 40}, at::kInt);
+  const int64_t T = 40, K = 77, N = 70;
+  for (bool transposed : {false, true}) {
+    SCOPED_TRACE(transposed ? "b transposed [E, N, K]" : "b [E, K, N]");
+    at::Tensor a0 = at::randn({T, K}, at::kDouble).to(dtype());
+    at::Tensor b0 = transposed ? at::randn({4, N, K}, at::kDouble).to(dtype()).transpose(1, 2)
+                               : at::randn({4, K, N}, at::kDouble).to(dtype());
+    at::Tensor a = a0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+    at::Tensor ar = a0.clone().requires_grad_(true), br = b0.clone().requires_grad_(true);
+    at::Tensor y = kernmap::grouped_mm(a, b, offs), yr = kernmap::reference::grouped_mm(ar, br, offs);
+    Tol t = tol(dtype());
+    Tol wide{t.rtol * 4, t.atol * 8};  // sums over K = 77 terms in low precision
+    ASSERT_TRUE(close(y, yr, wide));
+    at::Tensor dy = at::randn(y.sizes(), at::kDouble).to(dtype());
+    torch::autograd::backward({y}, {dy});
+    torch::autograd::backward({yr}, {dy});
+    EXPECT_TRUE(close(a.grad(), ar.grad(), wide));
+    EXPECT_TRUE(close(b.grad(), br.grad(), wide));
+    EXPECT_EQ(b.grad().select(0, 1).abs().sum().item<double>(), 0.0);  // the empty group
+  }
+}
+
 TEST_P(CpuKernels, EmptyInputs) {
   at::Tensor x = at::empty({0, 16}, dtype());
   at::Tensor w = at::ones({16}, dtype()).requires_grad_(true);

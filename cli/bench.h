@@ -1,0 +1,47 @@
+// Shared pieces of `kernmap bench ops`: a benchmark case is one op, pass, dtype and shape with the
+// implementations timed side by side.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace kernmap::cli {
+
+struct Impl {
+  std::string name;
+  std::function<void()> run;
+};
+
+struct Case {
+  std::string op, pass, dtype, shape;
+  double bytes = 0;  ///< each input read once plus each output written once (every expert's weights included)
+  double flops = 0;  ///< 0 for memory-bound ops
+  int max_reps = 0;  ///< caps --reps for cases that take seconds per repetition (0: no cap)
+  std::vector<Impl> impls;
+};
+
+/// Builds one case (its tensors live only while it runs: MoE cases hold gigabytes of expert weights).
+using CaseBuilder = std::function<Case()>;
+/// A case family: the cases of one op for a dtype name ("float32", "bfloat16").
+using CaseFactory = std::function<std::vector<CaseBuilder>(const std::string& dtype)>;
+
+at::ScalarType dtype_of(const std::string& name);
+std::string shape_string(at::IntArrayRef s);
+/// fwd+bwd of f on inputs that require grad (floating inputs only), with a fixed upstream gradient; grads are
+/// dropped between runs so no accumulation pass is timed (so implementations may share the same inputs).
+std::function<void()> fwd_bwd(std::vector<at::Tensor> inputs, at::Tensor grad,
+                              std::function<at::Tensor(const std::vector<at::Tensor>&)> f);
+
+/// Builders for cases made together (a forward and a forward+backward case sharing tensors): the first runs
+/// make(), each hands out its case, and the tensors are released after the last one is taken.
+std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make);
+
+std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype);
+std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype);
+std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype);
+std::vector<CaseBuilder> experts_cases(const std::string& dtype);
+
+}  // namespace kernmap::cli

@@ -1,0 +1,98 @@
+// The elementwise cases of `kernmap bench ops` (RMSNorm, SiLU-and-mul at Qwen2-7B sizes) and shared helpers.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <memory>
+
+#include "cli/bench.h"
+#include "include/kernmap/ops.h"
+
+namespace kernmap::cli {
+
+at::ScalarType dtype_of(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
+
+std::string shape_string(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// fwd+bwd of f on inputs that require grad, with a fixed upstream gradient; grads are dropped between runs so
+// no accumulation pass is timed.
+std::function<void()> fwd_bwd(std::vector<at::Tensor> inputs, at::Tensor grad,
+                              std::function<at::Tensor(const std::vector<at::Tensor>&)> f) {
+  for (auto& t : inputs)
+    if (t.is_floating_point()) t.requires_grad_(true);
+  return [inputs, grad, f] {
+    at::Tensor y = f(inputs);
+    torch::autograd::backward({y}, {grad});
+    for (const auto& t : inputs)
+      if (t.is_floating_point()) t.mutable_grad().reset();
+  };
+}
+
+namespace {
+
+// Both passes of one elementwise op on shared inputs (grads are dropped between runs).
+std::vector<Case> both_passes(const std::string& op, const std::string& dtype, const std::vector<at::Tensor>& in,
+                              const at::Tensor& dy, double fwd_bytes, double bwd_bytes,
+                              std::function<at::Tensor(const std::vector<at::Tensor>&)> kern,
+                              std::function<at::Tensor(const std::vector<at::Tensor>&)> ref) {
+  const std::string shape = shape_string(in[0].sizes());
+  Case fwd{op, "fwd", dtype, shape, fwd_bytes, 0, 0,
+           {{"kernmap", [=] { at::NoGradGuard g; kern(in); }}, {"reference", [=] { at::NoGradGuard g; ref(in); }}}};
+  Case both{op, "fwd+bwd", dtype, shape, bwd_bytes, 0, 0,
+            {{"kernmap", fwd_bwd(in, dy, kern)}, {"reference", fwd_bwd(in, dy, ref)}}};
+  return {fwd, both};
+}
+
+}  // namespace
+
+std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make) {
+  auto made = std::make_shared<std::vector<Case>>();
+  auto taken = std::make_shared<size_t>(0);
+  const size_t count = 2;  // callers make a fwd and a fwd+bwd case
+  std::vector<CaseBuilder> out;
+  for (size_t i = 0; i < count; ++i)
+    out.push_back([=] {
+      if (made->empty()) *made = make();
+      Case c = (*made)[i];
+      if (++*taken == made->size()) made->clear();
+      return c;
+    });
+  return out;
+}
+
+std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype) {
+  return builders_of([dtype] {
+    const at::ScalarType dt = dtype_of(dtype);
+    const int64_t T = 4096, H = 3584;  // Qwen2-7B hidden size
+    at::Tensor x = at::randn({T, H}).to(dt);
+    at::Tensor w = (1 + 0.1 * at::randn({H})).to(dt);
+    at::Tensor dy = at::randn({T, H}).to(dt);
+    const double e = x.element_size();
+    const double fwd_bytes = e * (T * H + H + T * H);
+    const double bwd_bytes = fwd_bytes + e * (T * H + T * H + H + T * H + H);  // + dy, x, w read; dx, dw written
+    return both_passes(
+        "rms_norm", dtype, {x, w}, dy, fwd_bytes, bwd_bytes,
+        [](const std::vector<at::Tensor>& in) { return kernmap::rms_norm(in[0], in[1], 1e-6); },
+        [](const std::vector<at::Tensor>& in) { return kernmap::reference::rms_norm(in[0], in[1], 1e-6); });
+  });
+}
+
+std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype) {
+  return builders_of([dtype] {
+    const at::ScalarType dt = dtype_of(dtype);
+    const int64_t T = 4096, I = 18944;  // Qwen2-7B intermediate size
+    at::Tensor gate = at::randn({T, I}).to(dt);
+    at::Tensor up = at::randn({T, I}).to(dt);
+    at::Tensor dy = at::randn({T, I}).to(dt);
+    const double n = double(T) * I * gate.element_size();
+    return both_passes(
+        "silu_and_mul", dtype, {gate, up}, dy, 3 * n, 6 * n,
+        [](const std::vector<at::Tensor>& in) { return kernmap::silu_and_mul(in[0], in[1]); },
+        [](const std::vector<at::Tensor>& in) { return kernmap::reference::silu_and_mul(in[0], in[1]); });
+  });
+}
+
+}  // namespace kernmap::cli
