@@ -38,8 +38,9 @@ int plan_command(const std::vector<std::string>& args) {
     }
   }
   if (preset.empty() == model_dir.empty())
-    throw std::invalid_argument("give exactly one of --preset NAME (one of qwen2-tiny, qwen2-moe-tiny, "
-                                "qwen3-moe-tiny) or --model DIR");
+    throw std::invalid_argument(
+        "give exactly one of --preset NAME (one of qwen2-tiny, qwen2-moe-tiny, "
+        "qwen3-moe-tiny) or --model DIR");
 
   const ModelConfig config = preset.empty() ? ModelConfig::from_dir(model_dir) : preset_config(preset);
   const auto model = make_model(config, at::TensorOptions().device(at::kMeta));
@@ -55,8 +56,9 @@ int plan_command(const std::vector<std::string>& args) {
     mapped += e.fallback ? 0 : 1;
   }
   std::printf("%s (%s) on %s, %s: %zu of %zu kernel layers mapped to a kernel, %zu on the reference\n\n",
-              preset.empty() ? model_dir.c_str() : preset.c_str(), config.model_type.c_str(), report.device.c_str(),
-              to_string(mode).c_str(), mapped, report.entries.size(), report.entries.size() - mapped);
+              preset.empty() ? model_dir.c_str() : preset.c_str(), config.model_type.c_str(),
+              report.device.c_str(), to_string(mode).c_str(), mapped, report.entries.size(),
+              report.entries.size() - mapped);
   std::fputs(table.render().c_str(), stdout);
   return 0;
 }

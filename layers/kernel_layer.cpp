@@ -12,12 +12,12 @@ namespace {
 
 using Tensor = at::Tensor;
 
-// The op named by kernel.op, checked to take n_args arguments and return one tensor. The typed handle the caller
-// makes from it checks the C++ signature against the op's kernels as well.
+// The op named by kernel.op, checked to take n_args arguments and return one tensor. The typed handle the
+// caller makes from it checks the C++ signature against the op's kernels as well.
 c10::OperatorHandle find_op(const KernelDescriptor& kernel, const std::string& layer, size_t n_args) {
   if (kernel.layer != layer)
-    throw std::invalid_argument("cannot bind " + kernel.name + " (a " + kernel.layer + " kernel) to a " + layer +
-                                " layer");
+    throw std::invalid_argument("cannot bind " + kernel.name + " (a " + kernel.layer + " kernel) to a " +
+                                layer + " layer");
   if (kernel.op.empty())
     throw std::invalid_argument(kernel.name + " has no torch op; C++ layers run torch ops only");
   const auto sep = kernel.op.find("::");
@@ -30,9 +30,9 @@ c10::OperatorHandle find_op(const KernelDescriptor& kernel, const std::string& l
   if (!op) throw std::invalid_argument(kernel.name + ": torch op " + kernel.op + " is not registered");
   const c10::FunctionSchema& schema = op->schema();
   if (schema.arguments().size() != n_args || schema.returns().size() != 1)
-    throw std::invalid_argument(kernel.name + ": torch op " + kernel.op + " has the schema " + c10::toString(schema) +
-                                "; a " + layer + " kernel takes " + std::to_string(n_args) +
-                                " arguments and returns one tensor");
+    throw std::invalid_argument(kernel.name + ": torch op " + kernel.op + " has the schema " +
+                                c10::toString(schema) + "; a " + layer + " kernel takes " +
+                                std::to_string(n_args) + " arguments and returns one tensor");
   return *op;
 }
 
@@ -40,10 +40,12 @@ template <class Sig>
 c10::TypedOperatorHandle<Sig> typed_op(const std::string& op_name, const std::string& layer) {
   const KernelDescriptor* kernel = find_kernel(op_name);
   try {
-    return find_op(*kernel, layer, c10::guts::infer_function_traits_t<Sig>::number_of_parameters).template typed<Sig>();
+    return find_op(*kernel, layer, c10::guts::infer_function_traits_t<Sig>::number_of_parameters)
+        .template typed<Sig>();
   } catch (const c10::Error& e) {
     throw std::invalid_argument(kernel->name + ": torch op " + kernel->op +
-                                " does not have the signature of a " + layer + " kernel: " + e.what_without_backtrace());
+                                " does not have the signature of a " + layer +
+                                " kernel: " + e.what_without_backtrace());
   }
 }
 
@@ -53,7 +55,8 @@ c10::TypedOperatorHandle<Sig> typed_op(const std::string& op_name, const std::st
 
 KernelLayer::KernelLayer(std::string layer_name) : layer_name_(std::move(layer_name)) {
   kernel_ = reference_kernel(layer_name_);
-  if (kernel_ == nullptr) throw std::invalid_argument("KernelLayer: no reference kernel for layer " + layer_name_);
+  if (kernel_ == nullptr)
+    throw std::invalid_argument("KernelLayer: no reference kernel for layer " + layer_name_);
 }
 
 KernelLayer::~KernelLayer() = default;
@@ -96,10 +99,13 @@ RMSNorm::RMSNorm(int64_t hidden_size, double eps, const at::TensorOptions& optio
 RMSNorm::~RMSNorm() = default;
 
 void RMSNorm::bind_op(const std::string& kernel_name) {
-  op_ = std::make_unique<Op>(Op{typed_op<Tensor(const Tensor&, const Tensor&, double)>(kernel_name, layer_name())});
+  op_ = std::make_unique<Op>(
+      Op{typed_op<Tensor(const Tensor&, const Tensor&, double)>(kernel_name, layer_name())});
 }
 
-Tensor RMSNorm::forward(const Tensor& x) { return op_->handle.call(x, weight_, eps_); }
+Tensor RMSNorm::forward(const Tensor& x) {
+  return op_->handle.call(x, weight_, eps_);
+}
 
 KernelInputs RMSNorm::kernel_inputs() const {
   return {dtype_name(weight_), {{weight_.size(0)}, {weight_.size(0)}}};
@@ -112,7 +118,9 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, const 
   if (with_bias) bias = register_parameter("bias", at::zeros({out_features}, options));
 }
 
-Tensor Linear::forward(const Tensor& x) { return at::linear(x, weight, bias); }
+Tensor Linear::forward(const Tensor& x) {
+  return at::linear(x, weight, bias);
+}
 
 // ---- GatedMLP ----
 
@@ -122,9 +130,12 @@ struct GatedMLP::Op {
 
 GatedMLP::GatedMLP(int64_t hidden_size, int64_t intermediate_size, const at::TensorOptions& options)
     : KernelLayer("SiluAndMul") {
-  gate_proj = register_module("gate_proj", std::make_shared<Linear>(hidden_size, intermediate_size, false, options));
-  up_proj = register_module("up_proj", std::make_shared<Linear>(hidden_size, intermediate_size, false, options));
-  down_proj = register_module("down_proj", std::make_shared<Linear>(intermediate_size, hidden_size, false, options));
+  gate_proj =
+      register_module("gate_proj", std::make_shared<Linear>(hidden_size, intermediate_size, false, options));
+  up_proj =
+      register_module("up_proj", std::make_shared<Linear>(hidden_size, intermediate_size, false, options));
+  down_proj =
+      register_module("down_proj", std::make_shared<Linear>(intermediate_size, hidden_size, false, options));
   bind_op(kernel().name);
 }
 
@@ -146,14 +157,17 @@ KernelInputs GatedMLP::kernel_inputs() const {
 // ---- Experts ----
 
 struct Experts::Op {
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)> handle;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>
+      handle;
 };
 
 Experts::Experts(int64_t num_experts, int64_t hidden_size, int64_t intermediate_size, int64_t top_k,
                  const at::TensorOptions& options)
     : KernelLayer("Experts"), top_k_(top_k) {
-  gate_up_proj_ = register_parameter("gate_up_proj", at::zeros({num_experts, 2 * intermediate_size, hidden_size}, options));
-  down_proj_ = register_parameter("down_proj", at::zeros({num_experts, hidden_size, intermediate_size}, options));
+  gate_up_proj_ = register_parameter("gate_up_proj",
+                                     at::zeros({num_experts, 2 * intermediate_size, hidden_size}, options));
+  down_proj_ =
+      register_parameter("down_proj", at::zeros({num_experts, hidden_size, intermediate_size}, options));
   bind_op(kernel().name);
 }
 
@@ -161,8 +175,8 @@ Experts::~Experts() = default;
 
 void Experts::bind_op(const std::string& kernel_name) {
   op_ = std::make_unique<Op>(
-      Op{typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(kernel_name,
-                                                                                                      layer_name())});
+      Op{typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
+          kernel_name, layer_name())});
 }
 
 Tensor Experts::forward(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights) {

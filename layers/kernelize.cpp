@@ -1,4 +1,5 @@
-// kernelize(): resolve each kernel layer of a module tree once and bind it; the Report of what was chosen and why.
+// kernelize(): resolve each kernel layer of a module tree once and bind it; the Report of what was chosen and
+// why.
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 
@@ -33,7 +34,8 @@ std::string device_of(const torch::nn::Module& module) {
 
 }  // namespace
 
-Report kernelize(torch::nn::Module& module, const std::string& device_or_empty, Mode mode, bool use_fallback) {
+Report kernelize(torch::nn::Module& module, const std::string& device_or_empty, Mode mode,
+                 bool use_fallback) {
   Report report;
   report.device = device_or_empty.empty() ? device_of(module) : device_or_empty;
   report.mode = mode;
@@ -75,7 +77,8 @@ Report restore_reference(torch::nn::Module& module) {
   for (const auto& [path, layer] : kernel_layers(module)) {
     const KernelDescriptor* reference = reference_kernel(layer->layer_name());
     layer->bind(*reference);
-    report.entries.push_back({path, layer->layer_name(), reference->name, true, "reference", "restored reference"});
+    report.entries.push_back(
+        {path, layer->layer_name(), reference->name, true, "reference", "restored reference"});
   }
   return report;
 }
@@ -83,7 +86,8 @@ Report restore_reference(torch::nn::Module& module) {
 std::string Report::table() const {
   const std::vector<std::string> header = {"module", "layer", "kernel", "reason"};
   std::vector<std::vector<std::string>> rows;
-  for (const ReportEntry& e : entries) rows.push_back({e.path.empty() ? "(root)" : e.path, e.layer, e.kernel, e.reason});
+  for (const ReportEntry& e : entries)
+    rows.push_back({e.path.empty() ? "(root)" : e.path, e.layer, e.kernel, e.reason});
   std::vector<size_t> width(header.size());
   for (size_t c = 0; c < header.size(); ++c) {
     width[c] = header[c].size();

@@ -1,5 +1,5 @@
-// Hugging Face checkpoints: safetensors files (one, or shards listed in model.safetensors.index.json) read into and
-// written from a model's parameters under their transformers names. Headers are validated by
+// Hugging Face checkpoints: safetensors files (one, or shards listed in model.safetensors.index.json) read
+// into and written from a model's parameters under their transformers names. Headers are validated by
 // models/safetensors_format.cpp before any tensor data is touched; here names, shapes and dtypes are checked
 // against the model that the config built, for every file, before any parameter is overwritten.
 #include <ATen/ATen.h>
@@ -32,21 +32,36 @@ constexpr const char* kIndexFile = "model.safetensors.index.json";
 
 std::optional<at::ScalarType> scalar_type(st::Dtype d) {
   switch (d) {
-    case st::Dtype::kBool: return at::kBool;
-    case st::Dtype::kU8: return at::kByte;
-    case st::Dtype::kI8: return at::kChar;
-    case st::Dtype::kI16: return at::kShort;
-    case st::Dtype::kI32: return at::kInt;
-    case st::Dtype::kI64: return at::kLong;
-    case st::Dtype::kF16: return at::kHalf;
-    case st::Dtype::kBF16: return at::kBFloat16;
-    case st::Dtype::kF32: return at::kFloat;
-    case st::Dtype::kF64: return at::kDouble;
-    case st::Dtype::kF8E5M2: return at::kFloat8_e5m2;
-    case st::Dtype::kF8E4M3: return at::kFloat8_e4m3fn;
-    case st::Dtype::kU16: return at::kUInt16;
-    case st::Dtype::kU32: return at::kUInt32;
-    case st::Dtype::kU64: return at::kUInt64;
+    case st::Dtype::kBool:
+      return at::kBool;
+    case st::Dtype::kU8:
+      return at::kByte;
+    case st::Dtype::kI8:
+      return at::kChar;
+    case st::Dtype::kI16:
+      return at::kShort;
+    case st::Dtype::kI32:
+      return at::kInt;
+    case st::Dtype::kI64:
+      return at::kLong;
+    case st::Dtype::kF16:
+      return at::kHalf;
+    case st::Dtype::kBF16:
+      return at::kBFloat16;
+    case st::Dtype::kF32:
+      return at::kFloat;
+    case st::Dtype::kF64:
+      return at::kDouble;
+    case st::Dtype::kF8E5M2:
+      return at::kFloat8_e5m2;
+    case st::Dtype::kF8E4M3:
+      return at::kFloat8_e4m3fn;
+    case st::Dtype::kU16:
+      return at::kUInt16;
+    case st::Dtype::kU32:
+      return at::kUInt32;
+    case st::Dtype::kU64:
+      return at::kUInt64;
   }
   return std::nullopt;
 }
@@ -77,7 +92,8 @@ class File {
       in_.read(reinterpret_cast<char*>(first8), std::min<uint64_t>(size, 8));
       const uint64_t n = st::header_length(first8, size);
       std::string header(n, '\0');
-      if (!in_.read(header.data(), static_cast<std::streamsize>(n))) throw st::FormatError("safetensors: short read of the header");
+      if (!in_.read(header.data(), static_cast<std::streamsize>(n)))
+        throw st::FormatError("safetensors: short read of the header");
       header_ = st::parse_header(header, size);
     } catch (const st::FormatError& e) {
       throw CheckpointError(path_ + ": " + e.what());
@@ -94,7 +110,8 @@ class File {
     in_.clear();
     in_.seekg(static_cast<std::streamoff>(header_.data_start + t.begin));
     if (!in_.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(bytes)))
-      throw CheckpointError(path_ + ": tensor '" + t.name + "': short read (the file changed while loading?)");
+      throw CheckpointError(path_ + ": tensor '" + t.name +
+                            "': short read (the file changed while loading?)");
     return out;
   }
 
@@ -125,7 +142,8 @@ std::map<std::string, std::string> read_index(const std::string& path) {
     throw CheckpointError(path + ": expected an object with a 'weight_map' object");
   std::map<std::string, std::string> shard_of;
   for (const auto& [name, file] : index["weight_map"].items()) {
-    if (!file.is_string()) throw CheckpointError(path + ": weight_map['" + name + "'] must be a file name, got " + file.dump());
+    if (!file.is_string())
+      throw CheckpointError(path + ": weight_map['" + name + "'] must be a file name, got " + file.dump());
     const std::string f = file.get<std::string>();
     if (f.empty() || f.find('/') != std::string::npos || f.find('\\') != std::string::npos || f[0] == '.' ||
         !f.ends_with(".safetensors"))
@@ -143,9 +161,9 @@ bool ignorable(const std::string& name, const ModelConfig& config) {
 }
 
 // Where the checkpoint stores a parameter. Experts weights are stored as transformers writes them (and as the
-// Hub's Qwen MoE checkpoints hold them): one gate_proj, up_proj and down_proj matrix per expert, which transformers
-// 5 stacks on load into gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I]. The fused names are
-// accepted on load as well.
+// Hub's Qwen MoE checkpoints hold them): one gate_proj, up_proj and down_proj matrix per expert, which
+// transformers 5 stacks on load into gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I]. The
+// fused names are accepted on load as well.
 struct Piece {
   std::string name;
   Tensor view;  // the part of the parameter this tensor fills
@@ -252,7 +270,8 @@ void CausalLM::load_weights(const std::string& dir) {
       if (sharded) {
         const auto it = shard_of.find(t.name);
         if (it == shard_of.end()) throw CheckpointError(where + " is not listed in " + kIndexFile);
-        if (it->second != f) throw CheckpointError(where + " is listed in " + kIndexFile + " under " + it->second);
+        if (it->second != f)
+          throw CheckpointError(where + " is listed in " + kIndexFile + " under " + it->second);
       }
       if (const auto dup = found.find(t.name); dup != found.end())
         throw CheckpointError(where + " is also in " + dup->second);
@@ -290,7 +309,8 @@ void CausalLM::load_weights(const std::string& dir) {
     if (whole || (!p.pieces.empty() && pieces == p.pieces.size())) continue;
     const std::string name = first_missing != nullptr && pieces > 0 ? first_missing->name : p.name;
     std::string what = dir + ": missing tensor '" + name + "'";
-    if (!p.pieces.empty() && pieces == 0) what += " (or its per-expert tensors '" + p.pieces.front().name + "', ...)";
+    if (!p.pieces.empty() && pieces == 0)
+      what += " (or its per-expert tensors '" + p.pieces.front().name + "', ...)";
     if (sharded && shard_of.count(name))
       what += " (" + std::string(kIndexFile) + " lists it in " + shard_of[name] + ", which lacks it)";
     throw CheckpointError(what);
@@ -315,7 +335,10 @@ void CausalLM::save_pretrained(const std::string& dir, uint64_t max_shard_bytes)
   ModelConfig config = config_;
   if (!params.empty()) {
     const at::ScalarType t = params.front().second.scalar_type();
-    config.dtype = t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : t == at::kDouble ? "float64" : "float32";
+    config.dtype = t == at::kBFloat16 ? "bfloat16"
+                   : t == at::kHalf   ? "float16"
+                   : t == at::kDouble ? "float64"
+                                      : "float32";
   }
   {
     std::ofstream out(dir + "/config.json", std::ios::trunc);

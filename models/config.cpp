@@ -18,9 +18,13 @@ using nlohmann::json;
 constexpr int64_t kMaxDim = int64_t{1} << 24;
 constexpr int64_t kMaxLayers = 4096;
 
-[[noreturn]] void fail(const std::string& what) { throw ConfigError("config.json: " + what); }
+[[noreturn]] void fail(const std::string& what) {
+  throw ConfigError("config.json: " + what);
+}
 
-bool has(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
+bool has(const json& j, const char* key) {
+  return j.contains(key) && !j[key].is_null();
+}
 
 int64_t get_int(const json& j, const char* key, std::optional<int64_t> fallback, int64_t lo, int64_t hi) {
   if (!has(j, key)) {
@@ -59,8 +63,8 @@ std::string architecture(const std::string& model_type) {
 }  // namespace
 
 bool ModelConfig::is_moe_layer(int64_t i) const {
-  return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) == mlp_only_layers.end() && num_experts > 0 &&
-         (i + 1) % decoder_sparse_step == 0;
+  return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) == mlp_only_layers.end() &&
+         num_experts > 0 && (i + 1) % decoder_sparse_step == 0;
 }
 
 ModelConfig ModelConfig::from_json(const std::string& text) {
@@ -91,8 +95,10 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
     fail("hidden_size = " + std::to_string(c.hidden_size) + " is not a multiple of num_attention_heads = " +
          std::to_string(c.num_attention_heads) + " and head_dim is not given");
   c.head_dim = get_int(j, "head_dim", c.hidden_size / c.num_attention_heads, 2, kMaxDim);
-  if (c.head_dim % 2 != 0) fail("head_dim = " + std::to_string(c.head_dim) + " must be even (rotary embeddings)");
-  c.max_position_embeddings = get_int(j, "max_position_embeddings", 32768, 1, std::numeric_limits<int32_t>::max());
+  if (c.head_dim % 2 != 0)
+    fail("head_dim = " + std::to_string(c.head_dim) + " must be even (rotary embeddings)");
+  c.max_position_embeddings =
+      get_int(j, "max_position_embeddings", 32768, 1, std::numeric_limits<int32_t>::max());
   c.pad_token_id = get_int(j, "pad_token_id", -1, -1, c.vocab_size - 1);
   c.rms_norm_eps = get_double(j, "rms_norm_eps", 1e-6);
   c.initializer_range = get_double(j, "initializer_range", 0.02);
@@ -100,15 +106,16 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
 
   if (has(j, "hidden_act") && j["hidden_act"] != "silu")
     fail("hidden_act " + j["hidden_act"].dump() + " is not supported (expected \"silu\")");
-  // Rotary embeddings: transformers 5 writes rope_parameters {rope_theta, rope_type}; 4.x wrote rope_theta and
-  // rope_scaling at the top level.
+  // Rotary embeddings: transformers 5 writes rope_parameters {rope_theta, rope_type}; 4.x wrote rope_theta
+  // and rope_scaling at the top level.
   c.rope_theta = get_double(j, "rope_theta", 10000.0);
   std::string rope_type = "default";
   if (has(j, "rope_parameters")) {
     const json& rp = j["rope_parameters"];
     if (!rp.is_object()) fail("'rope_parameters' must be an object, got " + rp.dump());
     c.rope_theta = get_double(rp, "rope_theta", c.rope_theta);
-    if (has(rp, "rope_type")) rope_type = rp["rope_type"].is_string() ? rp["rope_type"].get<std::string>() : "?";
+    if (has(rp, "rope_type"))
+      rope_type = rp["rope_type"].is_string() ? rp["rope_type"].get<std::string>() : "?";
   } else if (has(j, "rope_scaling")) {
     const json& rs = j["rope_scaling"];
     rope_type = rs.is_object() && rs.contains("rope_type") && rs["rope_type"].is_string()
@@ -121,7 +128,8 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
     const json& lt = j["layer_types"];
     if (!lt.is_array()) fail("'layer_types' must be a list");
     for (const json& t : lt)
-      if (t != "full_attention") fail("layer_types entry " + t.dump() + " is not supported (only full_attention)");
+      if (t != "full_attention")
+        fail("layer_types entry " + t.dump() + " is not supported (only full_attention)");
   }
 
   if (c.model_type == "qwen2") {
@@ -136,10 +144,12 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
     // Qwen3-MoE configs name the expert count num_local_experts (transformers' attribute_map) or num_experts.
     const char* experts_key = has(j, "num_experts") ? "num_experts" : "num_local_experts";
     c.num_experts = get_int(j, experts_key, std::nullopt, 0, kMaxDim);
-    c.num_experts_per_tok = get_int(j, "num_experts_per_tok", std::nullopt, 1, std::max<int64_t>(c.num_experts, 1));
+    c.num_experts_per_tok =
+        get_int(j, "num_experts_per_tok", std::nullopt, 1, std::max<int64_t>(c.num_experts, 1));
     c.moe_intermediate_size = get_int(j, "moe_intermediate_size", std::nullopt, 1, kMaxDim);
     if (c.model_type == "qwen2_moe")
-      c.shared_expert_intermediate_size = get_int(j, "shared_expert_intermediate_size", std::nullopt, 1, kMaxDim);
+      c.shared_expert_intermediate_size =
+          get_int(j, "shared_expert_intermediate_size", std::nullopt, 1, kMaxDim);
     c.decoder_sparse_step = get_int(j, "decoder_sparse_step", 1, 1, kMaxLayers);
     c.norm_topk_prob = get_bool(j, "norm_topk_prob", false);
     if (has(j, "mlp_only_layers")) {
@@ -206,7 +216,9 @@ std::string ModelConfig::to_json() const {
   return j.dump(2) + "\n";
 }
 
-std::vector<std::string> preset_names() { return {"qwen2-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"}; }
+std::vector<std::string> preset_names() {
+  return {"qwen2-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"};
+}
 
 ModelConfig preset_config(const std::string& name) {
   ModelConfig c;
@@ -240,7 +252,8 @@ ModelConfig preset_config(const std::string& name) {
     c.moe_intermediate_size = 32;
     c.norm_topk_prob = true;
   } else {
-    throw std::invalid_argument("unknown preset '" + name + "' (expected qwen2-tiny, qwen2-moe-tiny or qwen3-moe-tiny)");
+    throw std::invalid_argument("unknown preset '" + name +
+                                "' (expected qwen2-tiny, qwen2-moe-tiny or qwen3-moe-tiny)");
   }
   return c;
 }

@@ -20,11 +20,12 @@ Tensor rotate_half(const Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
-// Qwen2RotaryEmbedding (rope_type "default"): inv_freq = 1 / base^(arange(0, D, 2) / D) in fp32; for positions p,
-// emb = cat(p * inv_freq, p * inv_freq); cos and sin cast to the hidden states' dtype.
+// Qwen2RotaryEmbedding (rope_type "default"): inv_freq = 1 / base^(arange(0, D, 2) / D) in fp32; for
+// positions p, emb = cat(p * inv_freq, p * inv_freq); cos and sin cast to the hidden states' dtype.
 std::pair<Tensor, Tensor> rotary(int64_t seq_len, int64_t head_dim, double theta, const Tensor& like) {
   const auto f32 = like.options().dtype(at::kFloat);
-  const Tensor inv_freq = at::pow(theta, at::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim)).reciprocal();
+  const Tensor inv_freq =
+      at::pow(theta, at::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim)).reciprocal();
   const Tensor positions = at::arange(seq_len, like.options().dtype(at::kLong)).unsqueeze(0).to(at::kFloat);
   const Tensor freqs = positions.unsqueeze(-1) * inv_freq;  // [1, S, D/2]
   const Tensor emb = at::cat({freqs, freqs}, -1);
@@ -35,7 +36,9 @@ std::pair<Tensor, Tensor> rotary(int64_t seq_len, int64_t head_dim, double theta
 template <class M>
 class Stack : public torch::nn::Module {
  public:
-  void push(std::shared_ptr<M> m) { items.push_back(register_module(std::to_string(items.size()), std::move(m))); }
+  void push(std::shared_ptr<M> m) {
+    items.push_back(register_module(std::to_string(items.size()), std::move(m)));
+  }
   std::vector<std::shared_ptr<M>> items;
 };
 
@@ -52,10 +55,14 @@ class Attention : public torch::nn::Module {
  public:
   Attention(const ModelConfig& c, const at::TensorOptions& o)
       : heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim) {
-    q_proj = register_module("q_proj", std::make_shared<Linear>(c.hidden_size, heads_ * head_dim_, c.qkv_bias, o));
-    k_proj = register_module("k_proj", std::make_shared<Linear>(c.hidden_size, kv_heads_ * head_dim_, c.qkv_bias, o));
-    v_proj = register_module("v_proj", std::make_shared<Linear>(c.hidden_size, kv_heads_ * head_dim_, c.qkv_bias, o));
-    o_proj = register_module("o_proj", std::make_shared<Linear>(heads_ * head_dim_, c.hidden_size, c.o_bias, o));
+    q_proj =
+        register_module("q_proj", std::make_shared<Linear>(c.hidden_size, heads_ * head_dim_, c.qkv_bias, o));
+    k_proj = register_module("k_proj",
+                             std::make_shared<Linear>(c.hidden_size, kv_heads_ * head_dim_, c.qkv_bias, o));
+    v_proj = register_module("v_proj",
+                             std::make_shared<Linear>(c.hidden_size, kv_heads_ * head_dim_, c.qkv_bias, o));
+    o_proj =
+        register_module("o_proj", std::make_shared<Linear>(heads_ * head_dim_, c.hidden_size, c.o_bias, o));
     if (c.qk_norm) {
       q_norm = register_module("q_norm", std::make_shared<RMSNorm>(head_dim_, c.rms_norm_eps, o));
       k_norm = register_module("k_norm", std::make_shared<RMSNorm>(head_dim_, c.rms_norm_eps, o));
@@ -77,8 +84,8 @@ class Attention : public torch::nn::Module {
     const Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
     q = q * c + rotate_half(q) * s;
     k = k * c + rotate_half(k) * s;
-    // transformers' sdpa path without a padding mask: is_causal for more than one query, enable_gqa for grouped
-    // heads, scale head_dim^-0.5.
+    // transformers' sdpa path without a padding mask: is_causal for more than one query, enable_gqa for
+    // grouped heads, scale head_dim^-0.5.
     const Tensor out = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/S > 1,
                                                         std::pow(static_cast<double>(head_dim_), -0.5),
                                                         /*enable_gqa=*/heads_ != kv_heads_);
@@ -95,7 +102,8 @@ class Attention : public torch::nn::Module {
 // The router: softmax over experts in fp32, top-k, optional renormalisation, back to the logits' dtype.
 class TopKRouter : public torch::nn::Module {
  public:
-  TopKRouter(const ModelConfig& c, const at::TensorOptions& o) : top_k_(c.num_experts_per_tok), norm_(c.norm_topk_prob) {
+  TopKRouter(const ModelConfig& c, const at::TensorOptions& o)
+      : top_k_(c.num_experts_per_tok), norm_(c.norm_topk_prob) {
     weight = register_parameter("weight", at::zeros({c.num_experts, c.hidden_size}, o));
   }
   // Returns (topk_weights, topk_ids), both [T, k].
@@ -117,12 +125,14 @@ class SparseMoeBlock : public torch::nn::Module {
  public:
   SparseMoeBlock(const ModelConfig& c, const at::TensorOptions& o) {
     gate = register_module("gate", std::make_shared<TopKRouter>(c, o));
-    experts = register_module("experts", std::make_shared<Experts>(c.num_experts, c.hidden_size,
-                                                                   c.moe_intermediate_size, c.num_experts_per_tok, o));
+    experts = register_module("experts",
+                              std::make_shared<Experts>(c.num_experts, c.hidden_size, c.moe_intermediate_size,
+                                                        c.num_experts_per_tok, o));
     if (c.shared_expert_intermediate_size > 0) {
-      shared_expert = register_module("shared_expert",
-                                      std::make_shared<GatedMLP>(c.hidden_size, c.shared_expert_intermediate_size, o));
-      shared_expert_gate = register_module("shared_expert_gate", std::make_shared<Linear>(c.hidden_size, 1, false, o));
+      shared_expert = register_module(
+          "shared_expert", std::make_shared<GatedMLP>(c.hidden_size, c.shared_expert_intermediate_size, o));
+      shared_expert_gate =
+          register_module("shared_expert_gate", std::make_shared<Linear>(c.hidden_size, 1, false, o));
     }
   }
   Tensor forward(const Tensor& x) {
@@ -147,9 +157,10 @@ class DecoderLayer : public torch::nn::Module {
     } else {
       dense = register_module("mlp", std::make_shared<GatedMLP>(c.hidden_size, c.intermediate_size, o));
     }
-    input_layernorm = register_module("input_layernorm", std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
-    post_attention_layernorm =
-        register_module("post_attention_layernorm", std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
+    input_layernorm =
+        register_module("input_layernorm", std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
+    post_attention_layernorm = register_module("post_attention_layernorm",
+                                               std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
   }
   Tensor forward(const Tensor& x, const Tensor& cos, const Tensor& sin) {
     Tensor h = x + self_attn->forward(input_layernorm->forward(x), cos, sin);
@@ -168,7 +179,8 @@ class DecoderLayer : public torch::nn::Module {
 class DecoderModel : public torch::nn::Module {
  public:
   DecoderModel(const ModelConfig& c, const at::TensorOptions& o) : config_(c) {
-    embed_tokens = register_module("embed_tokens", std::make_shared<Embedding>(c.vocab_size, c.hidden_size, o));
+    embed_tokens =
+        register_module("embed_tokens", std::make_shared<Embedding>(c.vocab_size, c.hidden_size, o));
     layers = register_module("layers", std::make_shared<Stack<DecoderLayer>>());
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push(std::make_shared<DecoderLayer>(c, i, o));
     norm = register_module("norm", std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
@@ -190,24 +202,27 @@ class DecoderModel : public torch::nn::Module {
 CausalLM::CausalLM(ModelConfig config, const at::TensorOptions& options) : config_(std::move(config)) {
   model_ = register_module("model", std::make_shared<DecoderModel>(config_, options));
   if (!config_.tie_word_embeddings)
-    lm_head_ = register_module("lm_head", std::make_shared<Linear>(config_.hidden_size, config_.vocab_size, false, options));
+    lm_head_ = register_module(
+        "lm_head", std::make_shared<Linear>(config_.hidden_size, config_.vocab_size, false, options));
 }
 
 CausalLM::~CausalLM() = default;
 
 CausalLMOutput CausalLM::forward(const Tensor& input_ids, const Tensor& labels) {
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong,
-              "CausalLM.forward: input_ids must be int64 [B, S], got ", input_ids.scalar_type(), " ", input_ids.sizes());
+              "CausalLM.forward: input_ids must be int64 [B, S], got ", input_ids.scalar_type(), " ",
+              input_ids.sizes());
   const Tensor h = model_->forward(input_ids);
   CausalLMOutput out;
   out.logits = lm_head_ ? lm_head_->forward(h) : at::linear(h, model_->embed_tokens->weight);
   if (labels.defined()) {
-    TORCH_CHECK(labels.sizes() == input_ids.sizes(), "CausalLM.forward: labels must have the shape of input_ids ",
-                input_ids.sizes(), ", got ", labels.sizes());
+    TORCH_CHECK(labels.sizes() == input_ids.sizes(),
+                "CausalLM.forward: labels must have the shape of input_ids ", input_ids.sizes(), ", got ",
+                labels.sizes());
     // ForCausalLMLoss: fp32 logits, labels shifted left with -100 padding, mean over the labels not ignored.
     const Tensor shifted = at::constant_pad_nd(labels, {0, 1}, -100).slice(-1, 1).contiguous();
-    out.loss = at::cross_entropy_loss(out.logits.to(at::kFloat).view({-1, config_.vocab_size}), shifted.view(-1),
-                                      std::nullopt, at::Reduction::Mean, -100);
+    out.loss = at::cross_entropy_loss(out.logits.to(at::kFloat).view({-1, config_.vocab_size}),
+                                      shifted.view(-1), std::nullopt, at::Reduction::Mean, -100);
   }
   return out;
 }
@@ -234,7 +249,8 @@ void CausalLM::init_weights(uint64_t seed) {
 namespace {
 ModelConfig expect_type(ModelConfig config, const char* model_type, const char* cls) {
   if (config.model_type != model_type)
-    throw ConfigError(std::string(cls) + ": model_type is '" + config.model_type + "', expected " + model_type);
+    throw ConfigError(std::string(cls) + ": model_type is '" + config.model_type + "', expected " +
+                      model_type);
   return config;
 }
 }  // namespace

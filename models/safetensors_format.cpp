@@ -1,5 +1,6 @@
-// safetensors header parsing and validation (torch-free; see safetensors_format.h). Every number read from the
-// file is checked before it is used in arithmetic, and all arithmetic on such numbers is overflow-checked.
+// safetensors header parsing and validation (torch-free; see safetensors_format.h). Every number read from
+// the file is checked before it is used in arithmetic, and all arithmetic on such numbers is
+// overflow-checked.
 #include "models/safetensors_format.h"
 
 #include <algorithm>
@@ -16,18 +17,31 @@ namespace {
 
 using nlohmann::json;
 
-// A safetensors header is three levels deep (object -> tensor entry -> shape list); anything much deeper is not
-// a safetensors header, and deep nesting is how a hostile header would try to exhaust the parser.
+// A safetensors header is three levels deep (object -> tensor entry -> shape list); anything much deeper is
+// not a safetensors header, and deep nesting is how a hostile header would try to exhaust the parser.
 constexpr int kMaxDepth = 8;
 
 constexpr std::array<std::pair<std::string_view, Dtype>, 15> kDtypes = {{
-    {"BOOL", Dtype::kBool}, {"U8", Dtype::kU8}, {"I8", Dtype::kI8}, {"F8_E5M2", Dtype::kF8E5M2},
-    {"F8_E4M3", Dtype::kF8E4M3}, {"I16", Dtype::kI16}, {"U16", Dtype::kU16}, {"F16", Dtype::kF16},
-    {"BF16", Dtype::kBF16}, {"I32", Dtype::kI32}, {"U32", Dtype::kU32}, {"F32", Dtype::kF32},
-    {"F64", Dtype::kF64}, {"I64", Dtype::kI64}, {"U64", Dtype::kU64},
+    {"BOOL", Dtype::kBool},
+    {"U8", Dtype::kU8},
+    {"I8", Dtype::kI8},
+    {"F8_E5M2", Dtype::kF8E5M2},
+    {"F8_E4M3", Dtype::kF8E4M3},
+    {"I16", Dtype::kI16},
+    {"U16", Dtype::kU16},
+    {"F16", Dtype::kF16},
+    {"BF16", Dtype::kBF16},
+    {"I32", Dtype::kI32},
+    {"U32", Dtype::kU32},
+    {"F32", Dtype::kF32},
+    {"F64", Dtype::kF64},
+    {"I64", Dtype::kI64},
+    {"U64", Dtype::kU64},
 }};
 
-[[noreturn]] void fail(const std::string& what) { throw FormatError("safetensors: " + what); }
+[[noreturn]] void fail(const std::string& what) {
+  throw FormatError("safetensors: " + what);
+}
 [[noreturn]] void fail_tensor(const std::string& name, const std::string& what) {
   fail("tensor '" + name + "': " + what);
 }
@@ -114,7 +128,8 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t buff
   if (name.empty()) fail("a tensor has an empty name");
   if (!entry.is_object()) fail_tensor(name, "entry must be an object, got " + entry.dump());
   for (const auto& [key, _] : entry.items())
-    if (key != "dtype" && key != "shape" && key != "data_offsets") fail_tensor(name, "unexpected key '" + key + "'");
+    if (key != "dtype" && key != "shape" && key != "data_offsets")
+      fail_tensor(name, "unexpected key '" + key + "'");
   for (const char* key : {"dtype", "shape", "data_offsets"})
     if (!entry.contains(key)) fail_tensor(name, std::string("missing '") + key + "'");
 
@@ -126,7 +141,8 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t buff
   uint64_t numel = 1;
   for (const json& d : shape) {
     const uint64_t dim = checked_uint(name, "shape", d);
-    if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) || __builtin_mul_overflow(numel, dim, &numel))
+    if (dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
+        __builtin_mul_overflow(numel, dim, &numel))
       fail_tensor(name, "shape " + shape.dump() + " has more elements than fit in 64 bits");
     info.shape.push_back(static_cast<int64_t>(dim));
   }
@@ -197,22 +213,24 @@ const TensorInfo* Header::find(std::string_view name) const {
 }
 
 uint64_t header_length(const unsigned char* first8, uint64_t file_size) {
-  if (file_size < 8) fail("file of " + std::to_string(file_size) + " bytes is too short for the 8-byte header length");
+  if (file_size < 8)
+    fail("file of " + std::to_string(file_size) + " bytes is too short for the 8-byte header length");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | first8[i];
   if (n == 0) fail("header length is 0");
   if (n > kMaxHeaderBytes)
-    fail("header length " + std::to_string(n) + " exceeds the limit of " + std::to_string(kMaxHeaderBytes) + " bytes");
+    fail("header length " + std::to_string(n) + " exceeds the limit of " + std::to_string(kMaxHeaderBytes) +
+         " bytes");
   if (n > file_size - 8)
-    fail("header length " + std::to_string(n) + " reaches past the end of the file (" + std::to_string(file_size) +
-         " bytes)");
+    fail("header length " + std::to_string(n) + " reaches past the end of the file (" +
+         std::to_string(file_size) + " bytes)");
   return n;
 }
 
 Header parse_header(std::string_view text, uint64_t file_size) {
   if (text.size() > file_size || file_size - text.size() < 8)
-    fail("header of " + std::to_string(text.size()) + " bytes does not fit a file of " + std::to_string(file_size) +
-         " bytes");
+    fail("header of " + std::to_string(text.size()) + " bytes does not fit a file of " +
+         std::to_string(file_size) + " bytes");
   if (const size_t bad = invalid_utf8_at(text); bad != std::string_view::npos)
     fail("header is not valid UTF-8 (byte " + std::to_string(bad) + ")");
   const json root = parse_json(text);
@@ -233,17 +251,20 @@ Header parse_header(std::string_view text, uint64_t file_size) {
     header.tensors.push_back(parse_entry(name, entry, buffer_size));
   }
 
-  std::sort(header.tensors.begin(), header.tensors.end(),
-            [](const TensorInfo& a, const TensorInfo& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  std::sort(header.tensors.begin(), header.tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+  });
   uint64_t cursor = 0;
   const TensorInfo* previous = nullptr;
   for (const TensorInfo& t : header.tensors) {
     if (t.begin < cursor)
       fail_tensor(t.name, "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                              "] overlap tensor '" + previous->name + "' (ends at " + std::to_string(cursor) + ")");
+                              "] overlap tensor '" + previous->name + "' (ends at " + std::to_string(cursor) +
+                              ")");
     if (t.begin > cursor)
       fail_tensor(t.name, "data_offsets begin at " + std::to_string(t.begin) + ", leaving bytes " +
-                              std::to_string(cursor) + ".." + std::to_string(t.begin) + " of the data buffer unused");
+                              std::to_string(cursor) + ".." + std::to_string(t.begin) +
+                              " of the data buffer unused");
     cursor = t.end;
     previous = &t;
   }
@@ -273,7 +294,8 @@ std::string build_header(const std::vector<TensorToWrite>& tensors,
       if (d < 0) fail_tensor(t.name, "negative dimension");
       bytes *= static_cast<uint64_t>(d);
     }
-    root[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    root[t.name] = {
+        {"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = root.dump();

@@ -1,9 +1,9 @@
 // Kernel layers: torch::nn modules whose forward runs a kernel chosen by the registry, and kernelize(), which
 // walks a module tree and binds each layer to the kernel that resolution picks (DESIGN §2).
 //
-// A layer starts bound to its reference kernel (the transformers eager math). kernelize() resolves once per layer
-// (not per step) and binds the layer to the kernel's torch op, looked up in the dispatcher, so built-in and plugin
-// kernels run the same way. Binding copies no weights: a kernel reads the module's own parameters.
+// A layer starts bound to its reference kernel (the transformers eager math). kernelize() resolves once per
+// layer (not per step) and binds the layer to the kernel's torch op, looked up in the dispatcher, so built-in
+// and plugin kernels run the same way. Binding copies no weights: a kernel reads the module's own parameters.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,8 +30,8 @@ class KernelLayer : public torch::nn::Module {
   /// What resolution is told about this layer's inputs: the weights' dtype, and the op's argument shapes with
   /// leading (token) dimensions given as 1.
   virtual KernelInputs kernel_inputs() const = 0;
-  /// Binds the forward to kernel's torch op. Throws std::invalid_argument when the kernel is for another layer,
-  /// has no torch op, or its op is not registered or has another signature than the layer's.
+  /// Binds the forward to kernel's torch op. Throws std::invalid_argument when the kernel is for another
+  /// layer, has no torch op, or its op is not registered or has another signature than the layer's.
   void bind(const KernelDescriptor& kernel);
 
  protected:
@@ -65,8 +65,8 @@ class RMSNorm : public KernelLayer {
   std::unique_ptr<Op> op_;
 };
 
-/// A linear map y = x W^T (+ b) with parameters `weight` [out, in] and optional `bias` [out], created with the
-/// given options (a meta device builds a model without memory). Not a kernel layer.
+/// A linear map y = x W^T (+ b) with parameters `weight` [out, in] and optional `bias` [out], created with
+/// the given options (a meta device builds a model without memory). Not a kernel layer.
 class Linear : public torch::nn::Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias, const at::TensorOptions& options = {});
@@ -91,8 +91,8 @@ class GatedMLP : public KernelLayer {
   std::unique_ptr<Op> op_;
 };
 
-/// A MoE layer's experts in the transformers 5.x layout: parameters gate_up_proj [E, 2I, H] (gate rows first) and
-/// down_proj [E, H, I]. forward(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H].
+/// A MoE layer's experts in the transformers 5.x layout: parameters gate_up_proj [E, 2I, H] (gate rows first)
+/// and down_proj [E, H, I]. forward(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H].
 class Experts : public KernelLayer {
  public:
   Experts(int64_t num_experts, int64_t hidden_size, int64_t intermediate_size, int64_t top_k,
@@ -113,9 +113,9 @@ class Experts : public KernelLayer {
 
 /// One row of a kernelize Report.
 struct ReportEntry {
-  std::string path;    ///< module path, e.g. "model.layers.0.input_layernorm"
-  std::string layer;   ///< "RMSNorm"
-  std::string kernel;  ///< the kernel bound, e.g. "kernmap/rms_norm"
+  std::string path;       ///< module path, e.g. "model.layers.0.input_layernorm"
+  std::string layer;      ///< "RMSNorm"
+  std::string kernel;     ///< the kernel bound, e.g. "kernmap/rms_norm"
   bool fallback = false;  ///< true when the reference was bound instead of a mapped kernel
   std::string source;     ///< "scoped", "user", "default", "reference"
   std::string reason;     ///< why this kernel
@@ -135,14 +135,16 @@ struct Report {
 /// Thrown by kernelize(use_fallback=false) when a layer has no usable mapped kernel; nothing is rebound.
 class KernelizeError : public std::runtime_error {
  public:
-  KernelizeError(const std::string& what, Report report) : std::runtime_error(what), report(std::move(report)) {}
+  KernelizeError(const std::string& what, Report report)
+      : std::runtime_error(what), report(std::move(report)) {}
   Report report;
 };
 
 /// Resolves every KernelLayer in module (itself included) for device and mode and binds each to its kernel.
 /// device "" means the device of the module's first parameter ("cpu" when it has none, or is on meta). With
-/// use_fallback=false, a layer that would fall back to its reference raises KernelizeError carrying the report,
-/// before anything is rebound. Calling it again re-resolves (after a mapping change, in another mode).
+/// use_fallback=false, a layer that would fall back to its reference raises KernelizeError carrying the
+/// report, before anything is rebound. Calling it again re-resolves (after a mapping change, in another
+/// mode).
 Report kernelize(torch::nn::Module& module, const std::string& device, Mode mode, bool use_fallback = true);
 
 /// Binds every KernelLayer in module back to its reference kernel and reports it.

@@ -1,9 +1,9 @@
-// Decoder-only language models on kernel layers: Qwen2, Qwen2-MoE and Qwen3-MoE with the transformers eager math,
-// built from a Hugging Face config.json and read from / written to safetensors under the Hugging Face tensor names
-// (a checkpoint saved by transformers loads here, one saved here loads in transformers).
+// Decoder-only language models on kernel layers: Qwen2, Qwen2-MoE and Qwen3-MoE with the transformers eager
+// math, built from a Hugging Face config.json and read from / written to safetensors under the Hugging Face
+// tensor names (a checkpoint saved by transformers loads here, one saved here loads in transformers).
 //
-// Module paths equal the transformers ones ("model.layers.0.self_attn.q_proj", "lm_head"), so named_parameters()
-// gives the checkpoint's tensor names and kernelize() reports transformers' module paths.
+// Module paths equal the transformers ones ("model.layers.0.self_attn.q_proj", "lm_head"), so
+// named_parameters() gives the checkpoint's tensor names and kernelize() reports transformers' module paths.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,9 +42,10 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double initializer_range = 0.02;
   bool tie_word_embeddings = false;
-  bool qkv_bias = false;   ///< q/k/v projections have a bias (Qwen2: always; Qwen2-MoE: qkv_bias; Qwen3-MoE: attention_bias)
-  bool o_bias = false;     ///< o_proj has a bias (Qwen3-MoE attention_bias)
-  bool qk_norm = false;    ///< RMSNorm on each head of q and k (Qwen3-MoE)
+  bool qkv_bias = false;  ///< q/k/v projections have a bias (Qwen2: always; Qwen2-MoE: qkv_bias; Qwen3-MoE:
+                          ///< attention_bias)
+  bool o_bias = false;    ///< o_proj has a bias (Qwen3-MoE attention_bias)
+  bool qk_norm = false;   ///< RMSNorm on each head of q and k (Qwen3-MoE)
   // Mixture of experts (num_experts == 0: dense model).
   int64_t num_experts = 0;
   int64_t num_experts_per_tok = 0;
@@ -55,12 +56,12 @@ struct ModelConfig {
   std::vector<int64_t> mlp_only_layers;
   std::string dtype = "float32";  ///< the checkpoint's dtype as config.json names it
 
-  /// Whether decoder layer i has a sparse MoE block (transformers' rule: not in mlp_only_layers, experts exist,
-  /// and (i + 1) % decoder_sparse_step == 0).
+  /// Whether decoder layer i has a sparse MoE block (transformers' rule: not in mlp_only_layers, experts
+  /// exist, and (i + 1) % decoder_sparse_step == 0).
   bool is_moe_layer(int64_t i) const;
-  /// Parses a transformers config.json. Throws ConfigError for a model_type other than the three, a missing or
-  /// ill-typed key, inconsistent sizes, or a feature these models do not implement (sliding-window attention,
-  /// a rope_type other than "default", an activation other than silu).
+  /// Parses a transformers config.json. Throws ConfigError for a model_type other than the three, a missing
+  /// or ill-typed key, inconsistent sizes, or a feature these models do not implement (sliding-window
+  /// attention, a rope_type other than "default", an activation other than silu).
   static ModelConfig from_json(const std::string& text);
   /// from_json on DIR/config.json.
   static ModelConfig from_dir(const std::string& dir);
@@ -70,7 +71,8 @@ struct ModelConfig {
 
 class DecoderModel;
 
-/// Logits [B, S, V]; loss (mean next-token cross entropy in fp32, labels -100 ignored) when labels were given.
+/// Logits [B, S, V]; loss (mean next-token cross entropy in fp32, labels -100 ignored) when labels were
+/// given.
 struct CausalLMOutput {
   at::Tensor logits;
   at::Tensor loss;
@@ -84,8 +86,8 @@ class CausalLM : public torch::nn::Module {
   CausalLM(ModelConfig config, const at::TensorOptions& options);
   ~CausalLM() override;
   const ModelConfig& config() const { return config_; }
-  /// input_ids [B, S] int64; labels [B, S] int64 or undefined. Causal attention over all positions (no padding
-  /// mask), positions 0..S-1.
+  /// input_ids [B, S] int64; labels [B, S] int64 or undefined. Causal attention over all positions (no
+  /// padding mask), positions 0..S-1.
   CausalLMOutput forward(const at::Tensor& input_ids, const at::Tensor& labels = {});
   /// transformers' initialisation from a seed: normal(0, initializer_range) for matrices and embeddings, zero
   /// biases, ones for norms.
@@ -109,7 +111,8 @@ class Qwen2ForCausalLM : public CausalLM {
  public:
   Qwen2ForCausalLM(ModelConfig config, const at::TensorOptions& options = {});
 };
-/// Qwen2-MoE: sparse blocks with top-k routed experts plus a shared expert scaled by sigmoid(shared_expert_gate).
+/// Qwen2-MoE: sparse blocks with top-k routed experts plus a shared expert scaled by
+/// sigmoid(shared_expert_gate).
 class Qwen2MoeForCausalLM : public CausalLM {
  public:
   Qwen2MoeForCausalLM(ModelConfig config, const at::TensorOptions& options = {});

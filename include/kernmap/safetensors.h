@@ -1,6 +1,6 @@
-// safetensors files as named at::Tensors. The reader treats the file as untrusted: the header is validated in full
-// (offsets, sizes, dtypes, shapes against the file) before any tensor is read; errors are CheckpointError naming the
-// file, the tensor and the problem.
+// safetensors files as named at::Tensors. The reader treats the file as untrusted: the header is validated in
+// full (offsets, sizes, dtypes, shapes against the file) before any tensor is read; errors are
+// CheckpointError naming the file, the tensor and the problem.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,7 +24,8 @@ std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const std::stri
 
 /// Writes tensors (any device, any layout; read as contiguous CPU data) to a safetensors file. Throws
 /// CheckpointError for a dtype the format has no name for, or when the file cannot be written.
-void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+void write_safetensors(const std::string& path,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
 
 }  // namespace kernmap

@@ -1,11 +1,13 @@
-// A test driver for the Python suite (tests/python/test_models.py): loads a Hugging Face checkpoint into the C++
-// model, runs it, and writes what transformers is compared against. Not installed; not a user tool.
+// A test driver for the Python suite (tests/python/test_models.py): loads a Hugging Face checkpoint into the
+// C++ model, runs it, and writes what transformers is compared against. Not installed; not a user tool.
 //
 //   kernmap_model_probe load DIR                          load config + weights; "ok" or the error (exit 1)
-//   kernmap_model_probe run DIR INPUTS OUT [MODE]         INPUTS: safetensors with input_ids, labels (int64 [B, S]);
-//                                                          OUT: logits, loss, grad.<parameter> for every parameter;
-//                                                          MODE: reference (default), training or inference
-//                                                          (kernelized); the kernelize report goes to stdout as JSON
+//   kernmap_model_probe run DIR INPUTS OUT [MODE]         INPUTS: safetensors with input_ids, labels (int64
+//   [B, S]);
+//                                                          OUT: logits, loss, grad.<parameter> for every
+//                                                          parameter; MODE: reference (default), training or
+//                                                          inference (kernelized); the kernelize report goes
+//                                                          to stdout as JSON
 //   kernmap_model_probe save DIR OUTDIR [MAX_SHARD_BYTES] load, then save_pretrained
 //   kernmap_model_probe preset NAME OUTDIR                save a built-in preset
 #include <ATen/ATen.h>
@@ -29,7 +31,8 @@ int run(const std::vector<std::string>& a) {
   if ((a.size() == 4 || a.size() == 5) && a[0] == "run") {
     auto model = from_pretrained(a[1]);
     const std::string mode = a.size() == 5 ? a[4] : "reference";
-    const Report report = mode == "reference" ? restore_reference(*model) : kernelize(*model, "cpu", parse_mode(mode));
+    const Report report =
+        mode == "reference" ? restore_reference(*model) : kernelize(*model, "cpu", parse_mode(mode));
     std::puts(report.json().c_str());
     at::Tensor ids, labels;
     for (auto& [name, t] : read_safetensors(a[2])) (name == "input_ids" ? ids : labels) = t;
@@ -49,9 +52,10 @@ int run(const std::vector<std::string>& a) {
     make_preset(a[1])->save_pretrained(a[2]);
     return 0;
   }
-  std::fputs("usage: kernmap_model_probe load DIR | run DIR INPUTS OUT [MODE] | save DIR OUTDIR [MAX_SHARD_BYTES] | "
-             "preset NAME OUTDIR\n",
-             stderr);
+  std::fputs(
+      "usage: kernmap_model_probe load DIR | run DIR INPUTS OUT [MODE] | save DIR OUTDIR [MAX_SHARD_BYTES] | "
+      "preset NAME OUTDIR\n",
+      stderr);
   return 2;
 }
 

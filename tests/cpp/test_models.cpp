@@ -1,6 +1,6 @@
-// Kernel layers, kernelize and the models on the built-in presets: binding, rebinding, fallback, no weight copies,
-// kernelized == reference, checkpoint round trips (one file and sharded), config errors. Equality with
-// transformers itself is tested in tests/python/test_models.py.
+// Kernel layers, kernelize and the models on the built-in presets: binding, rebinding, fallback, no weight
+// copies, kernelized == reference, checkpoint round trips (one file and sharded), config errors. Equality
+// with transformers itself is tested in tests/python/test_models.py.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -89,8 +89,14 @@ TEST(Kernelize, WithoutFallbackAnUnmappedLayerIsAnErrorAndNothingIsRebound) {
 }
 
 TEST(Kernelize, AKernelWhoseOpHasAnotherSignatureFallsBackWithTheReason) {
-  register_kernel({.name = "test/wrong_op", .layer = "RMSNorm", .devices = {"cpu"}, .dtypes = {"float32"},
-                   .has_backward = true, .op = "kernmap::silu", .supports = {}});
+  KernelDescriptor wrong;  // an RMSNorm kernel whose torch op is SiLU's: bound, it would compute the wrong thing
+  wrong.name = "test/wrong_op";
+  wrong.layer = "RMSNorm";
+  wrong.devices = {"cpu"};
+  wrong.dtypes = {"float32"};
+  wrong.has_backward = true;
+  wrong.op = "kernmap::silu";
+  register_kernel(wrong);
   ScopedMapping scope({{"RMSNorm", {{"cpu", {{Mode::kTraining, "test/wrong_op"}}}}}});
   auto model = make_preset("qwen2-tiny", at::TensorOptions().device(at::kMeta));
   const Report report = kernelize(*model, "cpu", Mode::kTraining);
@@ -102,7 +108,8 @@ TEST(Kernelize, AKernelWhoseOpHasAnotherSignatureFallsBackWithTheReason) {
 }
 
 TEST(Checkpoint, SaveAndLoadRoundTripOneFileAndSharded) {
-  const auto dir = std::filesystem::temp_directory_path() / ("kernmap_test_models_" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kernmap_test_models_" + std::to_string(::getpid()));
   for (const std::string& name : preset_names()) {
     auto model = make_preset(name);
     const at::Tensor ids = sample_ids(model->config());
@@ -127,7 +134,8 @@ TEST(Config, ErrorsNameTheKey) {
     }
     return std::string("no error");
   };
-  EXPECT_NE(message(R"({"model_type": "llama"})").find("model_type 'llama' is not supported"), std::string::npos);
+  EXPECT_NE(message(R"({"model_type": "llama"})").find("model_type 'llama' is not supported"),
+            std::string::npos);
   EXPECT_NE(message(R"({"model_type": "qwen2"})").find("missing 'vocab_size'"), std::string::npos);
   const std::string base =
       R"({"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,

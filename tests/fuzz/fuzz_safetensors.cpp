@@ -1,6 +1,6 @@
-// libFuzzer target: arbitrary bytes as a whole safetensors file. Parsing must either return a header whose tensors
-// all lie inside the file, or throw FormatError; anything else (a crash, a sanitizer report, another exception)
-// is a bug.
+// libFuzzer target: arbitrary bytes as a whole safetensors file. Parsing must either return a header whose
+// tensors all lie inside the file, or throw FormatError; anything else (a crash, a sanitizer report, another
+// exception) is a bug.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>

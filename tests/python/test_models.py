@@ -320,3 +320,14 @@ def test_plan_reads_a_transformers_checkpoint_without_its_weights(checkpoints, t
 def test_plan_errors():
     assert "give exactly one of" in kernmap("plan").stderr
     assert "unknown preset 'nope'" in kernmap("plan", "--preset", "nope").stderr
+
+
+def test_plan_shows_the_reference_and_the_reason_when_a_layer_is_disabled():
+    env = dict(os.environ, KERNMAP_DISABLE="Experts")
+    out = subprocess.run([str(ROOT / "scripts" / "kernmap"), "plan", "--preset", "qwen3-moe-tiny", "--json"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    for layer in json.loads(out.stdout)["layers"]:
+        if layer["layer"] == "Experts":
+            assert layer["kernel"] == "reference/experts" and layer["reason"] == "disabled by KERNMAP_DISABLE"
+        else:
+            assert layer["kernel"] == "kernmap/rms_norm"
