@@ -8,5 +8,6 @@ namespace kernmap::cli {
 
 int kernels_command(const std::vector<std::string>& args);
 int bench_command(const std::vector<std::string>& args);
+int plan_command(const std::vector<std::string>& args);
 
 }  // namespace kernmap::cli

@@ -15,6 +15,9 @@ constexpr const char* kUsage =
     "  kernels [--json]                       registered kernels and what each layer resolves to here\n"
     "  bench ops [--json] [--filter REGEX]    kernmap kernels against the reference, with GB/s and % of\n"
     "            [--warmup N] [--reps N]      the machine's measured copy bandwidth\n"
+    "  plan (--preset NAME | --model DIR)     the kernel each layer of a model gets here, and why (the\n"
+    "       [--mode training|inference]       kernelize report), without running the model; presets:\n"
+    "       [--device cpu] [--json]           qwen2-tiny, qwen2-moe-tiny, qwen3-moe-tiny\n"
     "\n"
     "environment: KERNMAP_DISABLE=all|Layer,...  KERNMAP_LOG=1  "
     "KERNMAP_CPU_ISA=baseline|avx2|avx512|avx512bf16\n";
@@ -32,6 +35,7 @@ int main(int argc, char** argv) {
   try {
     if (command == "kernels") return kernmap::cli::kernels_command(args);
     if (command == "bench") return kernmap::cli::bench_command(args);
+    if (command == "plan") return kernmap::cli::plan_command(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernmap %s: %s\n", command.c_str(), e.what());
     return 1;

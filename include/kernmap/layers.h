@@ -1,0 +1,153 @@
+// Kernel layers: torch::nn modules whose forward runs a kernel chosen by the registry, and kernelize(), which
+// walks a module tree and binds each layer to the kernel that resolution picks (DESIGN §2).
+//
+// A layer starts bound to its reference kernel (the transformers eager math). kernelize() resolves once per
+// layer (not per step) and binds the layer to the kernel's torch op, looked up in the dispatcher, so built-in
+// and plugin kernels run the same way. Binding copies no weights: a kernel reads the module's own parameters.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernmap/registry.h"
+
+namespace kernmap {
+
+/// A module with a layer name ("RMSNorm", "SiluAndMul", "Experts") and a forward that runs the bound kernel.
+class KernelLayer : public torch::nn::Module {
+ public:
+  ~KernelLayer() override;
+  /// The registry layer this module implements.
+  const std::string& layer_name() const { return layer_name_; }
+  /// The kernel the forward runs now (the layer's reference until kernelize binds another).
+  const KernelDescriptor& kernel() const { return *kernel_; }
+  /// What resolution is told about this layer's inputs: the weights' dtype, and the op's argument shapes with
+  /// leading (token) dimensions given as 1.
+  virtual KernelInputs kernel_inputs() const = 0;
+  /// Binds the forward to kernel's torch op. Throws std::invalid_argument when the kernel is for another
+  /// layer, has no torch op, or its op is not registered or has another signature than the layer's.
+  void bind(const KernelDescriptor& kernel);
+
+ protected:
+  explicit KernelLayer(std::string layer_name);
+  /// Looks up the torch op of the registered kernel of that name, checks it against the layer's signature and
+  /// stores it for forward; leaves the layer unchanged when it throws.
+  virtual void bind_op(const std::string& kernel_name) = 0;
+  /// The dtype name of a tensor as the registry spells it ("float32").
+  static std::string dtype_name(const at::Tensor& t);
+
+ private:
+  std::string layer_name_;
+  const KernelDescriptor* kernel_ = nullptr;
+};
+
+/// RMSNorm over the last dimension (transformers' Qwen2RMSNorm): parameter `weight` [H], initialised to ones.
+class RMSNorm : public KernelLayer {
+ public:
+  RMSNorm(int64_t hidden_size, double eps, const at::TensorOptions& options = {});
+  ~RMSNorm() override;
+  at::Tensor forward(const at::Tensor& x);
+  KernelInputs kernel_inputs() const override;
+  const at::Tensor& weight() const { return weight_; }
+  double eps() const { return eps_; }
+
+ private:
+  void bind_op(const std::string& kernel_name) override;
+  struct Op;
+  at::Tensor weight_;
+  double eps_;
+  std::unique_ptr<Op> op_;
+};
+
+/// A linear map y = x W^T (+ b) with parameters `weight` [out, in] and optional `bias` [out], created with
+/// the given options (a meta device builds a model without memory). Not a kernel layer.
+class Linear : public torch::nn::Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias, const at::TensorOptions& options = {});
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+  at::Tensor bias;  ///< undefined without bias
+};
+
+/// The gated MLP: down_proj(act(gate_proj(x)) * up_proj(x)), the activation being the "SiluAndMul" layer.
+/// Submodules gate_proj, up_proj, down_proj (no bias), as in transformers' Qwen2MLP.
+class GatedMLP : public KernelLayer {
+ public:
+  GatedMLP(int64_t hidden_size, int64_t intermediate_size, const at::TensorOptions& options = {});
+  ~GatedMLP() override;
+  at::Tensor forward(const at::Tensor& x);
+  KernelInputs kernel_inputs() const override;
+  std::shared_ptr<Linear> gate_proj, up_proj, down_proj;
+
+ private:
+  void bind_op(const std::string& kernel_name) override;
+  struct Op;
+  std::unique_ptr<Op> op_;
+};
+
+/// A MoE layer's experts in the transformers 5.x layout: parameters gate_up_proj [E, 2I, H] (gate rows first)
+/// and down_proj [E, H, I]. forward(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H].
+class Experts : public KernelLayer {
+ public:
+  Experts(int64_t num_experts, int64_t hidden_size, int64_t intermediate_size, int64_t top_k,
+          const at::TensorOptions& options = {});
+  ~Experts() override;
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights);
+  KernelInputs kernel_inputs() const override;
+  const at::Tensor& gate_up_proj() const { return gate_up_proj_; }
+  const at::Tensor& down_proj() const { return down_proj_; }
+
+ private:
+  void bind_op(const std::string& kernel_name) override;
+  struct Op;
+  at::Tensor gate_up_proj_, down_proj_;
+  int64_t top_k_;
+  std::unique_ptr<Op> op_;
+};
+
+/// One row of a kernelize Report.
+struct ReportEntry {
+  std::string path;       ///< module path, e.g. "model.layers.0.input_layernorm"
+  std::string layer;      ///< "RMSNorm"
+  std::string kernel;     ///< the kernel bound, e.g. "kernmap/rms_norm"
+  bool fallback = false;  ///< true when the reference was bound instead of a mapped kernel
+  std::string source;     ///< "scoped", "user", "default", "reference"
+  std::string reason;     ///< why this kernel
+};
+
+/// What kernelize did, one entry per kernel layer in module order.
+struct Report {
+  std::string device;
+  Mode mode = Mode::kInference;
+  std::vector<ReportEntry> entries;
+  /// An aligned text table: path, layer, kernel, reason.
+  std::string table() const;
+  /// {"device": ..., "mode": ..., "layers": [{"path", "layer", "kernel", "fallback", "source", "reason"}]}
+  std::string json() const;
+};
+
+/// Thrown by kernelize(use_fallback=false) when a layer has no usable mapped kernel; nothing is rebound.
+class KernelizeError : public std::runtime_error {
+ public:
+  KernelizeError(const std::string& what, Report report)
+      : std::runtime_error(what), report(std::move(report)) {}
+  Report report;
+};
+
+/// Resolves every KernelLayer in module (itself included) for device and mode and binds each to its kernel.
+/// device "" means the device of the module's first parameter ("cpu" when it has none, or is on meta). With
+/// use_fallback=false, a layer that would fall back to its reference raises KernelizeError carrying the
+/// report, before anything is rebound. Calling it again re-resolves (after a mapping change, in another
+/// mode).
+Report kernelize(torch::nn::Module& module, const std::string& device, Mode mode, bool use_fallback = true);
+
+/// Binds every KernelLayer in module back to its reference kernel and reports it.
+Report restore_reference(torch::nn::Module& module);
+
+}  // namespace kernmap

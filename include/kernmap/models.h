@@ -1,0 +1,138 @@
+// Decoder-only language models on kernel layers: Qwen2, Qwen2-MoE and Qwen3-MoE with the transformers eager
+// math, built from a Hugging Face config.json and read from / written to safetensors under the Hugging Face
+// tensor names (a checkpoint saved by transformers loads here, one saved here loads in transformers).
+//
+// Module paths equal the transformers ones ("model.layers.0.self_attn.q_proj", "lm_head"), so
+// named_parameters() gives the checkpoint's tensor names and kernelize() reports transformers' module paths.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernmap/layers.h"
+#include "kernmap/safetensors.h"
+
+namespace kernmap {
+
+/// A config.json that cannot be used: the message names the key and the problem.
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// The subset of a transformers config that the three model families use.
+struct ModelConfig {
+  std::string model_type;  ///< "qwen2", "qwen2_moe" or "qwen3_moe"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;  ///< dense MLP width
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;  ///< config "head_dim", else hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 32768;
+  int64_t pad_token_id = -1;  ///< -1: none (the embedding then has no padding row)
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  double initializer_range = 0.02;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;  ///< q/k/v projections have a bias (Qwen2: always; Qwen2-MoE: qkv_bias; Qwen3-MoE:
+                          ///< attention_bias)
+  bool o_bias = false;    ///< o_proj has a bias (Qwen3-MoE attention_bias)
+  bool qk_norm = false;   ///< RMSNorm on each head of q and k (Qwen3-MoE)
+  // Mixture of experts (num_experts == 0: dense model).
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;  ///< 0: no shared expert (Qwen3-MoE)
+  int64_t decoder_sparse_step = 1;
+  bool norm_topk_prob = false;
+  std::vector<int64_t> mlp_only_layers;
+  std::string dtype = "float32";  ///< the checkpoint's dtype as config.json names it
+
+  /// Whether decoder layer i has a sparse MoE block (transformers' rule: not in mlp_only_layers, experts
+  /// exist, and (i + 1) % decoder_sparse_step == 0).
+  bool is_moe_layer(int64_t i) const;
+  /// Parses a transformers config.json. Throws ConfigError for a model_type other than the three, a missing
+  /// or ill-typed key, inconsistent sizes, or a feature these models do not implement (sliding-window
+  /// attention, a rope_type other than "default", an activation other than silu).
+  static ModelConfig from_json(const std::string& text);
+  /// from_json on DIR/config.json.
+  static ModelConfig from_dir(const std::string& dir);
+  /// A config.json that transformers loads (model_type, architectures and every field above).
+  std::string to_json() const;
+};
+
+class DecoderModel;
+
+/// Logits [B, S, V]; loss (mean next-token cross entropy in fp32, labels -100 ignored) when labels were
+/// given.
+struct CausalLMOutput {
+  at::Tensor logits;
+  at::Tensor loss;
+};
+
+/// A causal language model: submodules "model" (embed_tokens, layers.N, norm) and "lm_head" (absent when the
+/// embeddings are tied). Parameters are created with the given options; a meta device builds the structure
+/// without memory (enough for kernelize and `kernmap plan`).
+class CausalLM : public torch::nn::Module {
+ public:
+  CausalLM(ModelConfig config, const at::TensorOptions& options);
+  ~CausalLM() override;
+  const ModelConfig& config() const { return config_; }
+  /// input_ids [B, S] int64; labels [B, S] int64 or undefined. Causal attention over all positions (no
+  /// padding mask), positions 0..S-1.
+  CausalLMOutput forward(const at::Tensor& input_ids, const at::Tensor& labels = {});
+  /// transformers' initialisation from a seed: normal(0, initializer_range) for matrices and embeddings, zero
+  /// biases, ones for norms.
+  void init_weights(uint64_t seed);
+  /// Reads the weights from a Hugging Face checkpoint folder (model.safetensors, or the shards listed in
+  /// model.safetensors.index.json), converting to the parameters' dtype. Every tensor's header entry is
+  /// validated against the file and its shape against this config. Throws CheckpointError.
+  void load_weights(const std::string& dir);
+  /// Writes config.json and the weights under their transformers names: one model.safetensors, or with
+  /// max_shard_bytes > 0 shards model-0000i-of-0000N.safetensors and model.safetensors.index.json.
+  void save_pretrained(const std::string& dir, uint64_t max_shard_bytes = 0) const;
+
+ private:
+  ModelConfig config_;
+  std::shared_ptr<DecoderModel> model_;
+  std::shared_ptr<Linear> lm_head_;
+};
+
+/// Qwen2: q/k/v with bias, dense gated MLPs.
+class Qwen2ForCausalLM : public CausalLM {
+ public:
+  Qwen2ForCausalLM(ModelConfig config, const at::TensorOptions& options = {});
+};
+/// Qwen2-MoE: sparse blocks with top-k routed experts plus a shared expert scaled by
+/// sigmoid(shared_expert_gate).
+class Qwen2MoeForCausalLM : public CausalLM {
+ public:
+  Qwen2MoeForCausalLM(ModelConfig config, const at::TensorOptions& options = {});
+};
+/// Qwen3-MoE: RMSNorm on q and k heads, sparse blocks without a shared expert.
+class Qwen3MoeForCausalLM : public CausalLM {
+ public:
+  Qwen3MoeForCausalLM(ModelConfig config, const at::TensorOptions& options = {});
+};
+
+/// The model class of config.model_type, with zero weights.
+std::shared_ptr<CausalLM> make_model(const ModelConfig& config, const at::TensorOptions& options = {});
+/// config.json + weights of a Hugging Face checkpoint folder.
+std::shared_ptr<CausalLM> from_pretrained(const std::string& dir, const at::TensorOptions& options = {});
+
+/// Built-in tiny configurations: "qwen2-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny".
+std::vector<std::string> preset_names();
+/// The config of a preset; throws std::invalid_argument naming the presets for an unknown name.
+ModelConfig preset_config(const std::string& name);
+/// A preset model with random weights from a fixed seed (no weights are drawn on a meta device).
+std::shared_ptr<CausalLM> make_preset(const std::string& name, const at::TensorOptions& options = {});
+
+}  // namespace kernmap

@@ -1,0 +1,191 @@
+// KernelLayer and the layer modules: each forward calls the bound kernel's torch op through the dispatcher.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "include/kernmap/layers.h"
+
+namespace kernmap {
+namespace {
+
+using Tensor = at::Tensor;
+
+// The op named by kernel.op, checked to take n_args arguments and return one tensor. The typed handle the
+// caller makes from it checks the C++ signature against the op's kernels as well.
+c10::OperatorHandle find_op(const KernelDescriptor& kernel, const std::string& layer, size_t n_args) {
+  if (kernel.layer != layer)
+    throw std::invalid_argument("cannot bind " + kernel.name + " (a " + kernel.layer + " kernel) to a " +
+                                layer + " layer");
+  if (kernel.op.empty())
+    throw std::invalid_argument(kernel.name + " has no torch op; C++ layers run torch ops only");
+  const auto sep = kernel.op.find("::");
+  if (sep == std::string::npos)
+    throw std::invalid_argument(kernel.name + ": op '" + kernel.op + "' is not of the form namespace::name");
+  const auto dot = kernel.op.find('.', sep);
+  const std::string name = kernel.op.substr(0, dot);
+  const std::string overload = dot == std::string::npos ? "" : kernel.op.substr(dot + 1);
+  const std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findSchema({name, overload});
+  if (!op) throw std::invalid_argument(kernel.name + ": torch op " + kernel.op + " is not registered");
+  const c10::FunctionSchema& schema = op->schema();
+  if (schema.arguments().size() != n_args || schema.returns().size() != 1)
+    throw std::invalid_argument(kernel.name + ": torch op " + kernel.op + " has the schema " +
+                                c10::toString(schema) + "; a " + layer + " kernel takes " +
+                                std::to_string(n_args) + " arguments and returns one tensor");
+  return *op;
+}
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> typed_op(const std::string& op_name, const std::string& layer) {
+  const KernelDescriptor* kernel = find_kernel(op_name);
+  try {
+    return find_op(*kernel, layer, c10::guts::infer_function_traits_t<Sig>::number_of_parameters)
+        .template typed<Sig>();
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument(kernel->name + ": torch op " + kernel->op +
+                                " does not have the signature of a " + layer +
+                                " kernel: " + e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+// ---- KernelLayer ----
+
+KernelLayer::KernelLayer(std::string layer_name) : layer_name_(std::move(layer_name)) {
+  kernel_ = reference_kernel(layer_name_);
+  if (kernel_ == nullptr)
+    throw std::invalid_argument("KernelLayer: no reference kernel for layer " + layer_name_);
+}
+
+KernelLayer::~KernelLayer() = default;
+
+void KernelLayer::bind(const KernelDescriptor& kernel) {
+  // The op is looked up by kernel name so that bind_op sees the registered descriptor, not a copy.
+  const KernelDescriptor* registered = find_kernel(kernel.name);
+  if (registered == nullptr) throw std::invalid_argument("cannot bind " + kernel.name + ": not registered");
+  bind_op(registered->name);
+  kernel_ = registered;
+}
+
+std::string KernelLayer::dtype_name(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return "float32";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kHalf:
+      return "float16";
+    case at::kDouble:
+      return "float64";
+    default:
+      return c10::toString(t.scalar_type());
+  }
+}
+
+// ---- RMSNorm ----
+
+struct RMSNorm::Op {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> handle;
+};
+
+RMSNorm::RMSNorm(int64_t hidden_size, double eps, const at::TensorOptions& options)
+    : KernelLayer("RMSNorm"), eps_(eps) {
+  weight_ = register_parameter("weight", at::ones({hidden_size}, options));
+  bind_op(kernel().name);
+}
+
+RMSNorm::~RMSNorm() = default;
+
+void RMSNorm::bind_op(const std::string& kernel_name) {
+  op_ = std::make_unique<Op>(
+      Op{typed_op<Tensor(const Tensor&, const Tensor&, double)>(kernel_name, layer_name())});
+}
+
+Tensor RMSNorm::forward(const Tensor& x) {
+  return op_->handle.call(x, weight_, eps_);
+}
+
+KernelInputs RMSNorm::kernel_inputs() const {
+  return {dtype_name(weight_), {{weight_.size(0)}, {weight_.size(0)}}};
+}
+
+// ---- Linear ----
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, const at::TensorOptions& options) {
+  weight = register_parameter("weight", at::zeros({out_features, in_features}, options));
+  if (with_bias) bias = register_parameter("bias", at::zeros({out_features}, options));
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  return at::linear(x, weight, bias);
+}
+
+// ---- GatedMLP ----
+
+struct GatedMLP::Op {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> handle;
+};
+
+GatedMLP::GatedMLP(int64_t hidden_size, int64_t intermediate_size, const at::TensorOptions& options)
+    : KernelLayer("SiluAndMul") {
+  gate_proj =
+      register_module("gate_proj", std::make_shared<Linear>(hidden_size, intermediate_size, false, options));
+  up_proj =
+      register_module("up_proj", std::make_shared<Linear>(hidden_size, intermediate_size, false, options));
+  down_proj =
+      register_module("down_proj", std::make_shared<Linear>(intermediate_size, hidden_size, false, options));
+  bind_op(kernel().name);
+}
+
+GatedMLP::~GatedMLP() = default;
+
+void GatedMLP::bind_op(const std::string& kernel_name) {
+  op_ = std::make_unique<Op>(Op{typed_op<Tensor(const Tensor&, const Tensor&)>(kernel_name, layer_name())});
+}
+
+Tensor GatedMLP::forward(const Tensor& x) {
+  return down_proj->forward(op_->handle.call(gate_proj->forward(x), up_proj->forward(x)));
+}
+
+KernelInputs GatedMLP::kernel_inputs() const {
+  const int64_t inter = gate_proj->weight.size(0);
+  return {dtype_name(gate_proj->weight), {{1, inter}, {1, inter}}};
+}
+
+// ---- Experts ----
+
+struct Experts::Op {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>
+      handle;
+};
+
+Experts::Experts(int64_t num_experts, int64_t hidden_size, int64_t intermediate_size, int64_t top_k,
+                 const at::TensorOptions& options)
+    : KernelLayer("Experts"), top_k_(top_k) {
+  gate_up_proj_ = register_parameter("gate_up_proj",
+                                     at::zeros({num_experts, 2 * intermediate_size, hidden_size}, options));
+  down_proj_ =
+      register_parameter("down_proj", at::zeros({num_experts, hidden_size, intermediate_size}, options));
+  bind_op(kernel().name);
+}
+
+Experts::~Experts() = default;
+
+void Experts::bind_op(const std::string& kernel_name) {
+  op_ = std::make_unique<Op>(
+      Op{typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
+          kernel_name, layer_name())});
+}
+
+Tensor Experts::forward(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights) {
+  return op_->handle.call(hidden, topk_ids, topk_weights, gate_up_proj_, down_proj_);
+}
+
+KernelInputs Experts::kernel_inputs() const {
+  const int64_t E = gate_up_proj_.size(0), I2 = gate_up_proj_.size(1), H = gate_up_proj_.size(2);
+  return {dtype_name(gate_up_proj_), {{1, H}, {1, top_k_}, {1, top_k_}, {E, I2, H}, {E, H, I2 / 2}}};
+}
+
+}  // namespace kernmap

@@ -1,0 +1,126 @@
+// kernelize(): resolve each kernel layer of a module tree once and bind it; the Report of what was chosen and
+// why.
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "include/kernmap/layers.h"
+
+namespace kernmap {
+namespace {
+
+// Every kernel layer under module, with its path, in module order (the root first, as "").
+std::vector<std::pair<std::string, KernelLayer*>> kernel_layers(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, KernelLayer*>> out;
+  if (auto* self = dynamic_cast<KernelLayer*>(&module)) out.emplace_back("", self);
+  for (const auto& item : module.named_modules("", /*include_self=*/false))
+    if (auto* layer = dynamic_cast<KernelLayer*>(item.value().get())) out.emplace_back(item.key(), layer);
+  return out;
+}
+
+std::string device_of(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters()) {
+    if (p.device().type() == c10::DeviceType::Meta) break;
+    return c10::DeviceTypeName(p.device().type(), /*lower_case=*/true);
+  }
+  return "cpu";
+}
+
+}  // namespace
+
+Report kernelize(torch::nn::Module& module, const std::string& device_or_empty, Mode mode,
+                 bool use_fallback) {
+  Report report;
+  report.device = device_or_empty.empty() ? device_of(module) : device_or_empty;
+  report.mode = mode;
+  const auto layers = kernel_layers(module);
+  std::vector<const KernelDescriptor*> chosen;
+  bool any_fallback = false;
+  for (const auto& [path, layer] : layers) {
+    const Decision d = resolve(layer->layer_name(), report.device, mode, layer->kernel_inputs());
+    report.entries.push_back({path, layer->layer_name(), d.kernel->name, d.fallback, d.source, d.reason});
+    chosen.push_back(d.kernel);
+    any_fallback = any_fallback || d.fallback;
+  }
+  if (!use_fallback && any_fallback) {
+    std::string what = "kernelize: no usable " + to_string(mode) + " kernel on " + report.device + " for";
+    for (const ReportEntry& e : report.entries)
+      if (e.fallback) what += "\n  " + e.path + " (" + e.layer + "): " + e.reason;
+    throw KernelizeError(what, report);
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    KernelLayer* layer = layers[i].second;
+    ReportEntry& entry = report.entries[i];
+    try {
+      layer->bind(*chosen[i]);
+    } catch (const std::invalid_argument& e) {
+      // A mapped kernel whose op cannot be bound (a plugin registered a descriptor without its op): the layer
+      // keeps working on its reference.
+      if (!use_fallback) throw KernelizeError("kernelize: " + entry.path + ": " + e.what(), report);
+      const KernelDescriptor* reference = reference_kernel(layer->layer_name());
+      layer->bind(*reference);
+      entry = {entry.path, entry.layer, reference->name, true, "reference", e.what()};
+    }
+  }
+  return report;
+}
+
+Report restore_reference(torch::nn::Module& module) {
+  Report report;
+  report.device = device_of(module);
+  for (const auto& [path, layer] : kernel_layers(module)) {
+    const KernelDescriptor* reference = reference_kernel(layer->layer_name());
+    layer->bind(*reference);
+    report.entries.push_back(
+        {path, layer->layer_name(), reference->name, true, "reference", "restored reference"});
+  }
+  return report;
+}
+
+std::string Report::table() const {
+  const std::vector<std::string> header = {"module", "layer", "kernel", "reason"};
+  std::vector<std::vector<std::string>> rows;
+  for (const ReportEntry& e : entries)
+    rows.push_back({e.path.empty() ? "(root)" : e.path, e.layer, e.kernel, e.reason});
+  std::vector<size_t> width(header.size());
+  for (size_t c = 0; c < header.size(); ++c) {
+    width[c] = header[c].size();
+    for (const auto& r : rows) width[c] = std::max(width[c], r[c].size());
+  }
+  std::ostringstream out;
+  auto line = [&](const std::vector<std::string>& cells) {
+    std::string s;
+    for (size_t c = 0; c < cells.size(); ++c) {
+      s += cells[c];
+      if (c + 1 < cells.size()) s += std::string(width[c] - cells[c].size() + 2, ' ');
+    }
+    out << s << '\n';
+  };
+  line(header);
+  std::vector<std::string> rule;
+  for (size_t w : width) rule.emplace_back(w, '-');
+  line(rule);
+  for (const auto& r : rows) line(r);
+  return out.str();
+}
+
+std::string Report::json() const {
+  nlohmann::ordered_json layers = nlohmann::ordered_json::array();
+  for (const ReportEntry& e : entries)
+    layers.push_back({{"path", e.path},
+                      {"layer", e.layer},
+                      {"kernel", e.kernel},
+                      {"fallback", e.fallback},
+                      {"source", e.source},
+                      {"reason", e.reason}});
+  const nlohmann::ordered_json root = {{"device", device}, {"mode", to_string(mode)}, {"layers", layers}};
+  return root.dump(2);
+}
+
+}  // namespace kernmap

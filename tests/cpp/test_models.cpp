@@ -1,0 +1,151 @@
+// Kernel layers, kernelize and the models on the built-in presets: binding, rebinding, fallback, no weight
+// copies, kernelized == reference, checkpoint round trips (one file and sharded), config errors. Equality
+// with transformers itself is tested in tests/python/test_models.py.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+
+#include "include/kernmap/models.h"
+
+namespace kernmap {
+namespace {
+
+at::Tensor sample_ids(const ModelConfig& c) {
+  return at::randint(c.vocab_size, {2, 7}, at::TensorOptions().dtype(at::kLong));
+}
+
+std::map<std::string, const void*> data_pointers(torch::nn::Module& m) {
+  std::map<std::string, const void*> out;
+  for (const auto& p : m.named_parameters()) out[p.key()] = p.value().const_data_ptr();
+  return out;
+}
+
+TEST(Kernelize, Qwen3MoePresetMapsEveryLayerOnCpu) {
+  auto model = make_preset("qwen3-moe-tiny");
+  const Report report = kernelize(*model, "cpu", Mode::kTraining);
+  // 2 layers x (input_layernorm, post_attention_layernorm, q_norm, k_norm, experts) + final norm.
+  ASSERT_EQ(report.entries.size(), 11u);
+  for (const ReportEntry& e : report.entries) {
+    EXPECT_FALSE(e.fallback) << e.path << ": " << e.reason;
+    EXPECT_EQ(e.kernel.rfind("kernmap/", 0), 0u) << e.path;
+  }
+  EXPECT_EQ(report.entries.front().path, "model.layers.0.self_attn.q_norm");
+  const std::string table = report.table();
+  EXPECT_EQ(table.rfind("module", 0), 0u) << table;
+  EXPECT_NE(table.find("model.layers.1.mlp.experts"), std::string::npos) << table;
+  EXPECT_NE(table.find("kernmap/experts"), std::string::npos) << table;
+}
+
+TEST(Kernelize, BindsWithoutCopyingAndMatchesReferenceBothWays) {
+  for (const std::string& name : preset_names()) {
+    auto model = make_preset(name);
+    const at::Tensor ids = sample_ids(model->config());
+    const auto before = data_pointers(*model);
+    const at::Tensor reference = model->forward(ids, ids).logits.detach();
+    const Report report = kernelize(*model, "", Mode::kInference);
+    EXPECT_EQ(report.device, "cpu");
+    for (const ReportEntry& e : report.entries) EXPECT_FALSE(e.fallback) << name << " " << e.path;
+    EXPECT_EQ(data_pointers(*model), before) << name << ": kernelize must not copy weights";
+    const at::Tensor fused = model->forward(ids, ids).logits.detach();
+    EXPECT_TRUE(at::allclose(fused, reference, 1e-5, 1e-6)) << name;
+
+    const Report back = restore_reference(*model);
+    for (const ReportEntry& e : back.entries) EXPECT_EQ(e.kernel.rfind("reference/", 0), 0u) << e.path;
+    EXPECT_TRUE(at::equal(model->forward(ids, ids).logits.detach(), reference)) << name;
+    const Report again = kernelize(*model, "cpu", Mode::kTraining);  // and once more, in another mode
+    for (const ReportEntry& e : again.entries) EXPECT_FALSE(e.fallback) << e.path;
+  }
+}
+
+TEST(Kernelize, GatedMlpAndSharedExpertAreSiluAndMulLayers) {
+  auto model = make_preset("qwen2-moe-tiny", at::TensorOptions().device(at::kMeta));
+  const Report report = kernelize(*model, "cpu", Mode::kTraining);
+  std::map<std::string, std::string> layer_of;
+  for (const ReportEntry& e : report.entries) layer_of[e.path] = e.layer;
+  EXPECT_EQ(layer_of["model.layers.0.mlp.experts"], "Experts");
+  EXPECT_EQ(layer_of["model.layers.0.mlp.shared_expert"], "SiluAndMul");
+  EXPECT_EQ(layer_of["model.layers.2.mlp"], "SiluAndMul");  // mlp_only_layers = [2]
+  EXPECT_EQ(layer_of.count("model.layers.2.mlp.experts"), 0u);
+}
+
+TEST(Kernelize, WithoutFallbackAnUnmappedLayerIsAnErrorAndNothingIsRebound) {
+  auto model = make_preset("qwen2-tiny");
+  ScopedMapping none({{"RMSNorm", {{"cpu", {}}}}});
+  try {
+    kernelize(*model, "cpu", Mode::kTraining, /*use_fallback=*/false);
+    FAIL() << "expected KernelizeError";
+  } catch (const KernelizeError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.norm (RMSNorm)"), std::string::npos) << e.what();
+    EXPECT_FALSE(e.report.entries.empty());
+  }
+  for (const ReportEntry& e : restore_reference(*model).entries) EXPECT_EQ(e.source, "reference");
+  const Report with_fallback = kernelize(*model, "cpu", Mode::kTraining);
+  for (const ReportEntry& e : with_fallback.entries)
+    EXPECT_EQ(e.fallback, e.layer == "RMSNorm") << e.path << ": " << e.reason;
+}
+
+TEST(Kernelize, AKernelWhoseOpHasAnotherSignatureFallsBackWithTheReason) {
+  KernelDescriptor wrong;  // an RMSNorm kernel whose torch op is SiLU's: bound, it would compute the wrong thing
+  wrong.name = "test/wrong_op";
+  wrong.layer = "RMSNorm";
+  wrong.devices = {"cpu"};
+  wrong.dtypes = {"float32"};
+  wrong.has_backward = true;
+  wrong.op = "kernmap::silu";
+  register_kernel(wrong);
+  ScopedMapping scope({{"RMSNorm", {{"cpu", {{Mode::kTraining, "test/wrong_op"}}}}}});
+  auto model = make_preset("qwen2-tiny", at::TensorOptions().device(at::kMeta));
+  const Report report = kernelize(*model, "cpu", Mode::kTraining);
+  for (const ReportEntry& e : report.entries) {
+    if (e.layer != "RMSNorm") continue;
+    EXPECT_EQ(e.kernel, "reference/rms_norm");
+    EXPECT_NE(e.reason.find("kernmap::silu"), std::string::npos) << e.reason;
+  }
+}
+
+TEST(Checkpoint, SaveAndLoadRoundTripOneFileAndSharded) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kernmap_test_models_" + std::to_string(::getpid()));
+  for (const std::string& name : preset_names()) {
+    auto model = make_preset(name);
+    const at::Tensor ids = sample_ids(model->config());
+    const at::Tensor logits = model->forward(ids).logits;
+    for (uint64_t shard : {uint64_t{0}, uint64_t{20000}}) {
+      std::filesystem::remove_all(dir);
+      model->save_pretrained(dir.string(), shard);
+      EXPECT_EQ(std::filesystem::exists(dir / "model.safetensors.index.json"), shard > 0) << name;
+      auto loaded = from_pretrained(dir.string());
+      EXPECT_TRUE(at::equal(loaded->forward(ids).logits, logits)) << name << " shard " << shard;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Config, ErrorsNameTheKey) {
+  auto message = [](const std::string& json) {
+    try {
+      ModelConfig::from_json(json);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(R"({"model_type": "llama"})").find("model_type 'llama' is not supported"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"model_type": "qwen2"})").find("missing 'vocab_size'"), std::string::npos);
+  const std::string base =
+      R"({"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 2)";
+  EXPECT_EQ(message(base + "}"), "no error");
+  EXPECT_NE(message(base + R"(, "num_key_value_heads": 3})").find("num_key_value_heads"), std::string::npos);
+  EXPECT_NE(message(base + R"(, "rope_parameters": {"rope_type": "yarn"}})").find("rope_type 'yarn'"),
+            std::string::npos);
+  EXPECT_NE(message(base + R"(, "hidden_size": -1})").find("'hidden_size' = -1"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kernmap
