@@ -13,6 +13,9 @@ namespace kernmap::cli {
 struct Impl {
   std::string name;
   std::function<void()> run;
+  /// When > 0: timed this many times at most, without warm-up (an implementation that takes minutes, such as
+  /// the eager experts loop's backward, which materializes a full-size weight gradient per expert).
+  int reps_cap = 0;
 };
 
 struct Case {

@@ -99,7 +99,7 @@ std::vector<CaseBuilder> experts_cases(const std::string& dtype) {
     // fwd+bwd moves the weights in and their gradients out, the activations and their gradients.
     Case both{"experts", "fwd+bwd", dtype, describe(s), 2 * weight_bytes + 2 * act_bytes, 3 * flops, 3, {}};
     both.impls = {{"kernmap", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, kern)},
-                  {"reference", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, ref)}};
+                  {"reference", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, ref), 1}};
     return std::vector<Case>{fwd, both};
   }))
       out.push_back(std::move(b));

@@ -52,6 +52,8 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
   std::vector<std::vector<double>> ms(impls.size());
   for (int r = 0; r < o.warmup + o.reps; ++r)
     for (size_t i = 0; i < impls.size(); ++i) {
+      const int cap = impls[i].reps_cap;
+      if (cap > 0 && (r < o.warmup || static_cast<int>(ms[i].size()) >= cap)) continue;
       const double t0 = now_ms();
       impls[i].run();
       const double t1 = now_ms();
