@@ -99,25 +99,11 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
   }
 }
 
-template <class F>
-void dispatch(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32:
-      return f(float{});
-    case DType::kFloat64:
-      return f(double{});
-    case DType::kBFloat16:
-      return f(BFloat16{});
-    case DType::kFloat16:
-      return f(Float16{});
-  }
-}
-
 }  // namespace
 
 void silu_fwd(DType dtype, const void* x, int64_t x_stride, void* y, int64_t row_begin, int64_t row_end,
               int64_t n) {
-  dispatch(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_rows<T>(static_cast<const T*>(x), x_stride, static_cast<T*>(y), row_begin, row_end, n);
   });
@@ -125,7 +111,7 @@ void silu_fwd(DType dtype, const void* x, int64_t x_stride, void* y, int64_t row
 
 void silu_bwd(DType dtype, const void* dy, int64_t dy_stride, const void* x, int64_t x_stride, void* dx,
               int64_t row_begin, int64_t row_end, int64_t n) {
-  dispatch(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_bwd_rows<T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(x), x_stride, static_cast<T*>(dx),
                      row_begin, row_end, n);
@@ -134,7 +120,7 @@ void silu_bwd(DType dtype, const void* dy, int64_t dy_stride, const void* x, int
 
 void silu_and_mul_fwd(DType dtype, const void* gate, int64_t gate_stride, const void* up, int64_t up_stride,
                       void* y, int64_t row_begin, int64_t row_end, int64_t n) {
-  dispatch(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_and_mul_rows<T>(static_cast<const T*>(gate), gate_stride, static_cast<const T*>(up), up_stride,
                          static_cast<T*>(y), row_begin, row_end, n);
@@ -144,7 +130,7 @@ void silu_and_mul_fwd(DType dtype, const void* gate, int64_t gate_stride, const 
 void silu_and_mul_bwd(DType dtype, const void* dy, int64_t dy_stride, const void* gate, int64_t gate_stride,
                       const void* up, int64_t up_stride, void* d_gate, int64_t d_gate_stride, void* d_up,
                       int64_t d_up_stride, int64_t row_begin, int64_t row_end, int64_t n) {
-  dispatch(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_and_mul_bwd_rows<T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(gate), gate_stride,
                              static_cast<const T*>(up), up_stride, static_cast<T*>(d_gate), d_gate_stride,

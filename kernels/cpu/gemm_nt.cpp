@@ -133,25 +133,11 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
   if (Nv < N) bcast_tail(A, a_m, a_p, B, ldb, C, ldc, M, Nv, N, P);
 }
 
-template <class F>
-void dispatch(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return f(float{});
-    case DType::kFloat64:
-      return f(double{});
-    case DType::kBFloat16:
-      return f(BFloat16{});
-    case DType::kFloat16:
-      return f(Float16{});
-  }
-}
-
 }  // namespace
 
 void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int64_t a_m, int64_t a_p,
                 const void* B, int64_t ldb, void* C, int64_t ldc) {
-  dispatch(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     gemm_outer<T>(static_cast<const T*>(A), a_m, a_p, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M, N,
                   P);
@@ -160,7 +146,7 @@ void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int
 
 void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B, int64_t ldb,
              void* C, int64_t ldc) {
-  dispatch(dtype, [&](auto tag) {
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     gemm<T>(static_cast<const T*>(A), lda, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M, N, K);
   });

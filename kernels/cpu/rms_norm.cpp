@@ -79,22 +79,12 @@ void bwd_rows(const Y* dy, int64_t dys, const X* x, int64_t xs, const Acc<X>* w,
 // x and the weight), which the op checks before calling.
 template <class F>
 void dispatch_xy(DType xt, DType yt, F&& f) {
-  auto with_x = [&](auto x_tag) {
+  dispatch_dtype(xt, [&](auto x_tag) {
     using X = decltype(x_tag);
     if (yt == DType::kFloat32) return f(X{}, float{});
     if (yt == DType::kFloat64) return f(X{}, double{});
     return f(X{}, X{});
-  };
-  switch (xt) {
-    case DType::kFloat32:
-      return with_x(float{});
-    case DType::kFloat64:
-      return with_x(double{});
-    case DType::kBFloat16:
-      return with_x(BFloat16{});
-    case DType::kFloat16:
-      return with_x(Float16{});
-  }
+  });
 }
 
 }  // namespace

@@ -93,6 +93,21 @@ inline Float16 to_f16(float f) {
 inline float to_float(float v) { return v; }
 inline double to_float(double v) { return v; }
 
+/// Calls f with a value of the element type for dtype (the one switch over dtypes in the kernels).
+template <class F>
+inline void dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kFloat64:
+      return f(double{});
+    case DType::kBFloat16:
+      return f(BFloat16{});
+    case DType::kFloat16:
+      return f(Float16{});
+  }
+}
+
 /// Element -> accumulation type, and accumulation type -> element with rounding.
 template <class A, class T>
 inline A to_acc(T v) {
