@@ -13,6 +13,7 @@ from torch import nn
 
 from . import _registry
 from . import experts as _experts
+from ._markers import layer_name
 
 # Layers kernelize binds by transformers' `kernel_layer_name` marker, with the forward that calls the kernel.
 _MARKED_LAYERS = ("RMSNorm", "SiLU")
@@ -108,7 +109,7 @@ def _gated_mlp_forward(kernel: Callable):
 
 
 def _is_silu(act: nn.Module | Callable | None) -> bool:
-    if isinstance(act, nn.SiLU) or getattr(type(act), "kernel_layer_name", None) == "SiLU":
+    if isinstance(act, nn.SiLU) or (isinstance(act, nn.Module) and layer_name(type(act)) == "SiLU"):
         return True
     return act is torch.nn.functional.silu
 
@@ -148,7 +149,7 @@ def _plan(model: nn.Module, device: str, mode: str) -> list[_Plan]:
     default_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
     plans: list[_Plan] = []
     for path, module in model.named_modules():
-        marker = getattr(type(module), "kernel_layer_name", None)
+        marker = layer_name(type(module))
         dtype = _dtype_of(module, default_dtype)
         if marker == "RMSNorm" and _rms_norm_eps(module) is not None and isinstance(getattr(module, "weight", None),
                                                                                      torch.Tensor):

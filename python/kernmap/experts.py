@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import _registry
+from ._markers import layer_name
 
 IMPLEMENTATION = "kernmap"
 
@@ -45,7 +46,7 @@ def unsupported_layout(module: nn.Module) -> str | None:
     if _hf_moe is not None and getattr(type(module), "_apply_gate", None) is not _hf_moe._default_apply_gate:
         return f"{type(module).__name__} has its own gate function"
     act = getattr(module, "act_fn", None)
-    if not (isinstance(act, nn.SiLU) or getattr(type(act), "kernel_layer_name", None) == "SiLU"):
+    if not (isinstance(act, nn.SiLU) or (isinstance(act, nn.Module) and layer_name(type(act)) == "SiLU")):
         return f"activation {type(act).__name__} is not SiLU"
     return None
 
