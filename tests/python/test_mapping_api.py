@@ -114,7 +114,9 @@ def test_report_table_and_dict():
     report = kernmap.kernelize(make_model("qwen3_moe"), mode="training")
     text = str(report)
     assert text.splitlines()[0] == "kernmap.kernelize on cpu (training): 13 of 13 layers replaced, 0 fallbacks"
-    assert "model.layers.1.mlp.experts  Qwen3MoeExperts" in text and "kernmap/experts" in text
+    experts_line = next(line for line in text.splitlines() if line.startswith("model.layers.1.mlp.experts "))
+    assert experts_line.split() == ["model.layers.1.mlp.experts", "Qwen3MoeExperts", "Experts", "kernmap/experts",
+                                    "default", "mapping", "(training)"]
     assert report.to_dict()["rows"][0].keys() == {"path", "module", "layer", "kernel", "fallback", "reason"}
 
 
