@@ -1,32 +1,40 @@
 """kernmap: fused, device-specific kernels for transformer layers, mapped without touching model code.
 
 Importing this package loads the kernmap C++ library, which registers the ops under ``torch.ops.kernmap``
-(``rms_norm``, ``silu``, ``silu_and_mul``, ``swiglu`` and their ``reference_*`` counterparts).
+(``rms_norm``, ``silu``, ``silu_and_mul``, ``swiglu``, ``grouped_mm``, ``experts`` and their ``reference_*``
+counterparts), exposes the C++ registry (one mapping for C++ and Python), registers ``"kernmap"`` as a
+transformers experts implementation, and activates the NPU mapping when ``torch_npu`` imports.
+
+    import kernmap
+    report = kernmap.kernelize(model, mode="training")
+    print(report)
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
-__all__ = ["library_path", "ops"]
+from ._library import KernmapError, library_path
+from ._registry import (
+    Decision,
+    Kernel,
+    clear_user_mappings,
+    effective_mapping,
+    kernels,
+    register_default_mapping,
+    register_kernel,
+    register_mapping,
+    resolve,
+    use_mapping,
+)
+from . import experts  # noqa: E402 -- registers the "kernmap" experts implementation with transformers
+from ._kernelize import KernelizeError, Report, Row, kernelize
+from . import npu  # noqa: E402 -- the NPU defaults, active only when torch_npu imports
 
-
-def library_path() -> Path:
-    """Where libkernmap.so is: $KERNMAP_LIBRARY, else the package folder, else the repository's build."""
-    env = os.environ.get("KERNMAP_LIBRARY")
-    candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve().parent
-    candidates += [here / "libkernmap.so", here.parents[1] / "build" / "release" / "libkernmap.so"]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise ImportError(
-        "kernmap: libkernmap.so not found (looked in: " + ", ".join(str(c) for c in candidates) + "); run scripts/setup"
-    )
-
-
-torch.ops.load_library(str(library_path()))
 ops = torch.ops.kernmap
+
+__all__ = [
+    "Decision", "Kernel", "KernelizeError", "KernmapError", "Report", "Row", "clear_user_mappings",
+    "effective_mapping", "kernelize", "kernels", "library_path", "ops", "register_default_mapping",
+    "register_kernel", "register_mapping", "resolve", "use_mapping",
+]

@@ -1,0 +1,225 @@
+"""The kernel mapping, from Python: a thin layer over the C++ registry (one source of truth). Python callables
+become kernels with a descriptor registered in C++ (empty ``op``); this module keeps name -> callable."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from . import _library
+
+MODES = ("inference", "training", "inference+compile", "training+compile", "fallback")
+ALL_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+_python_kernels: dict[str, Callable] = {}
+_supports_callbacks: dict[str, object] = {}  # keeps ctypes callbacks alive: C++ holds their addresses forever
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A Python callable registered as a kernel of a layer.
+
+    The callable takes the layer's op arguments (``RMSNorm``: ``(x, weight, eps)``, ``SiLU``: ``(x)``,
+    ``SiluAndMul``: ``(gate, up)``, ``GroupedMM``: ``(a, b, offs)``, ``Experts``: ``(hidden, topk_ids,
+    topk_weights, gate_up_proj, down_proj)``) and returns the output tensor. ``supports(inputs)`` (optional) gets
+    ``{"dtype": str, "shapes": [[...]]}`` and returns None when it takes the inputs, else the reason."""
+
+    name: str
+    layer: str
+    fn: Callable
+    devices: tuple[str, ...] = ("*",)
+    dtypes: tuple[str, ...] = ALL_DTYPES
+    has_backward: bool = False
+    compile_safe: bool = False
+    deterministic: bool = True
+    description: str = ""
+    supports: Callable[[dict], str | None] | None = None
+
+    def descriptor(self) -> dict:
+        return {
+            "name": self.name,
+            "layer": self.layer,
+            "devices": list(self.devices),
+            "dtypes": list(self.dtypes),
+            "has_backward": self.has_backward,
+            "compile_safe": self.compile_safe,
+            "deterministic": self.deterministic,
+            "op": "",
+            "description": self.description or f"Python callable {getattr(self.fn, '__qualname__', self.fn)!r}",
+        }
+
+
+def _supports_trampoline(check: Callable[[dict], str | None]):
+    def callback(_user, inputs_json, reason, capacity):
+        try:
+            why = check(json.loads(inputs_json))
+        except Exception as e:  # noqa: BLE001 -- nothing may unwind into C++
+            why = f"supports() raised {type(e).__name__}: {e}"
+        if why is None:
+            return 1
+        data = str(why).encode()[: capacity - 1] + b"\0"
+        ctypes.memmove(reason, data, len(data))
+        return 0
+
+    return _library.SUPPORTS_FN(callback)
+
+
+def register_kernel(kernel: Kernel) -> Kernel:
+    """Registers a Python kernel with the C++ registry (visible to C++ resolution and `kernmap kernels`).
+    Registering the same Kernel object again is a no-op; another kernel under a taken name is an error."""
+    with _lock:
+        if _python_kernels.get(kernel.name) is kernel.fn:
+            return kernel
+        callback = _supports_trampoline(kernel.supports) if kernel.supports else _library.SUPPORTS_FN()
+        _library.call("kernmap_register_kernel", json.dumps(kernel.descriptor()).encode(), callback, None)
+        _python_kernels[kernel.name] = kernel.fn
+        if kernel.supports:
+            _supports_callbacks[kernel.name] = callback
+    return kernel
+
+
+def _mode_key(mode) -> str:
+    if isinstance(mode, str):
+        return mode
+    # The `kernels` library's Mode flags: INFERENCE, TRAINING, TORCH_COMPILE, FALLBACK.
+    names = {f.name for f in type(mode) if f in mode} if hasattr(type(mode), "__iter__") else set()
+    if "FALLBACK" in names:
+        return "fallback"
+    base = "training" if "TRAINING" in names else "inference"
+    return base + ("+compile" if "TORCH_COMPILE" in names else "")
+
+
+def _kernel_name(value) -> str:
+    if isinstance(value, Kernel):
+        return register_kernel(value).name
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"kernmap: a mapping value must be a kernel name or a kernmap.Kernel, got {value!r}")
+
+
+def _normalize(mapping: Mapping) -> dict:
+    """{layer: {device: kernel | {mode: kernel}}} -> {layer: {device: {mode: name}}}. A bare kernel for a device
+    is its fallback entry (any mode it qualifies for), as in the `kernels` library."""
+    out: dict = {}
+    for layer, devices in mapping.items():
+        if not isinstance(devices, Mapping):
+            raise TypeError(f"kernmap: layer {layer!r} must map to {{device: kernel}}, got {devices!r}")
+        out[layer] = {}
+        for device, entry in devices.items():
+            device = device.type if isinstance(device, torch.device) else str(device)
+            if isinstance(entry, Mapping):
+                out[layer][device] = {_mode_key(m): _kernel_name(k) for m, k in entry.items()}
+            else:
+                out[layer][device] = {"fallback": _kernel_name(entry)}
+    return out
+
+
+def register_mapping(mapping: Mapping) -> None:
+    """Adds user registrations: ``{"RMSNorm": {"cpu": "kernmap/rms_norm"}}`` or with modes
+    ``{"RMSNorm": {"npu": {"training": kernel, "inference": kernel}}}``. Values are kernel names or
+    `Kernel` objects (registered on first use). A (layer, device) entry replaces the previous one."""
+    _library.call("kernmap_register_mapping", json.dumps(_normalize(mapping)).encode())
+
+
+def register_default_mapping(mapping: Mapping) -> None:
+    """Adds built-in defaults (the lowest level): for device packages such as the NPU mapping."""
+    _library.call("kernmap_register_default_mapping", json.dumps(_normalize(mapping)).encode())
+
+
+def clear_user_mappings() -> None:
+    """Removes every user registration (defaults and scopes stay)."""
+    _library.call("kernmap_clear_user_mappings")
+
+
+@contextlib.contextmanager
+def use_mapping(mapping: Mapping, inherit: bool = True) -> Iterator[None]:
+    """Scoped override on this thread, highest level: ``with kernmap.use_mapping({...}): kernelize(...)``.
+    With ``inherit=False`` user registrations and defaults are hidden inside the block."""
+    handle = ctypes.c_uint64()
+    _library.call("kernmap_push_scope", json.dumps(_normalize(mapping)).encode(), int(inherit), ctypes.byref(handle))
+    try:
+        yield
+    finally:
+        _library.call("kernmap_pop_scope", handle)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What resolution chose: the kernel (the layer's reference when `fallback`), where the choice came from
+    and why."""
+
+    layer: str
+    device: str
+    mode: str
+    kernel: str
+    op: str
+    fallback: bool
+    source: str
+    reason: str
+
+    def callable(self) -> Callable:
+        """The function that runs the kernel: its torch op, or the registered Python callable."""
+        if self.op:
+            namespace, name = self.op.split("::")
+            return getattr(getattr(torch.ops, namespace), name)
+        return _python_kernels[self.kernel]
+
+
+def resolve(layer: str, device: str, mode: str, dtype: torch.dtype | str | None = None,
+            shapes: list[list[int]] | None = None) -> Decision:
+    """Resolves a layer on a device in a mode ("inference", "training", "inference+compile", "training+compile"),
+    optionally for a dtype and input shapes, exactly as C++ ``kernmap::resolve`` does."""
+    request = {"layer": layer, "device": device, "mode": mode}
+    if dtype is not None:
+        request["dtype"] = dtype_name(dtype)
+    if shapes is not None:
+        request["shapes"] = [list(s) for s in shapes]
+    (text,) = _library.call("kernmap_resolve", json.dumps(request).encode(), outputs=1)
+    d = json.loads(text)
+    if not d["op"] and d["kernel"] not in _python_kernels:
+        # A kernel registered without an op by another party (a C++ caller): nothing Python can call.
+        d.update(kernel=_reference_name(layer), op=_reference_op(layer), fallback=True, source="reference",
+                 reason=f"{d['kernel']} has no torch op and no Python callable in this process")
+    return Decision(**d)
+
+
+def kernels() -> list[dict]:
+    """Every registered kernel's descriptor, sorted by name."""
+    (text,) = _library.call("kernmap_list_kernels", outputs=1)
+    return json.loads(text)
+
+
+def effective_mapping() -> dict:
+    """The mapping resolution sees on this thread, all levels merged."""
+    (text,) = _library.call("kernmap_effective_mapping", outputs=1)
+    return json.loads(text)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def _reference(layer: str) -> dict:
+    for k in kernels():
+        if k["layer"] == layer and k["provider"] == "reference":
+            return k
+    raise KeyError(layer)
+
+
+def _reference_name(layer: str) -> str:
+    return _reference(layer)["name"]
+
+
+def _reference_op(layer: str) -> str:
+    return _reference(layer)["op"]
+
+
+__all__ = ["Kernel", "Decision", "register_kernel", "register_mapping", "register_default_mapping",
+           "clear_user_mappings", "use_mapping", "resolve", "kernels", "effective_mapping", "MODES"]

@@ -1,0 +1,270 @@
+"""``python -m kernmap.bench [--json] [--filter REGEX] [--warmup N] [--reps N] [--tokens-scale X]``
+
+transformers' own modules against ``torch.compile`` of the same modules and against kernmap, side by side in one
+run: RMSNorm and the SiLU-and-mul product at Qwen2-7B sizes (H 3584, I 18944), the whole gated MLP (Qwen2MLP), and
+the MoE experts layer at Qwen3-30B-A3B sizes (128 experts, top-8, H 2048, I 768) with transformers' ``eager``,
+``grouped_mm`` and ``batched_mm`` implementations and ``kernmap``. Forward, and forward+backward. Token counts are
+sized for a 2-core machine with a few GB of free memory (``batched_mm`` gathers one weight copy per token-expert
+pair). Repetitions of one case's implementations are interleaved; medians after warm-up. The JSON has the shape
+of ``kernmap bench ops --json``; ``speedup_vs_reference`` is against transformers' eager module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import kernmap
+
+
+@dataclass
+class Impl:
+    name: str
+    run: Callable[[], None]
+
+
+@dataclass
+class Case:
+    op: str
+    pass_: str
+    dtype: str
+    shape: str
+    bytes: float
+    impls: list[Impl]
+
+
+def keep_freed_memory() -> None:
+    """As `kernmap bench ops`: glibc would unmap every freed block over 32 MiB and page-fault it back on the next
+    call, a cost of the allocator rather than of any implementation."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    except OSError:
+        pass
+
+
+def time_interleaved(impls: list[Impl], warmup: int, reps: int) -> list[tuple[float, float, float]]:
+    ms: list[list[float]] = [[] for _ in impls]
+    for r in range(warmup + reps):
+        for i, impl in enumerate(impls):
+            t0 = time.perf_counter()
+            impl.run()
+            t1 = time.perf_counter()
+            if r >= warmup:
+                ms[i].append((t1 - t0) * 1e3)
+    out = []
+    for m in ms:
+        m.sort()
+        out.append((m[len(m) // 2], m[0], m[-1]))
+    return out
+
+
+def copy_gbps(reps: int) -> float:
+    n = 1 << 26
+    src, dst = torch.rand(n), torch.empty(n)
+    (median, _, _), = time_interleaved([Impl("copy", lambda: dst.copy_(src))], 2, max(reps, 5))
+    return 2.0 * n * 4 / (median * 1e6)
+
+
+def forward(fn, *inputs) -> Callable[[], None]:
+    def run():
+        with torch.no_grad():
+            fn(*inputs)
+    return run
+
+
+def forward_backward(fn, inputs: list[torch.Tensor], grad: torch.Tensor, params=()) -> Callable[[], None]:
+    """fwd+bwd with a fixed upstream gradient; grads dropped between runs so no accumulation is timed."""
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+
+    def run():
+        y = fn(*inputs)
+        y.backward(grad)
+        for t in (*inputs, *params):
+            t.grad = None
+    return run
+
+
+def compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+# ---- cases --------------------------------------------------------------------------------------------------------
+
+
+def rms_norm_cases(dtype: torch.dtype, scale: float) -> list[Case]:
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    T, H = int(4096 * scale), 3584  # Qwen2-7B hidden size
+    eager = Qwen2RMSNorm(H, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        eager.weight.copy_(1 + 0.1 * torch.randn(H))
+    kern = copy.deepcopy(eager)
+    kernmap.kernelize(kern, mode="training", device="cpu")
+    comp = compiled(copy.deepcopy(eager))
+    x, dy = torch.randn(T, H).to(dtype), torch.randn(T, H).to(dtype)
+    e = x.element_size()
+    shape = f"[{T}, {H}]"
+    fwd_bytes = e * (2 * T * H + H)
+    mods = (("transformers", eager), ("torch.compile", comp), ("kernmap", kern))
+    return [
+        Case("RMSNorm", "fwd", str(dtype)[6:], shape, fwd_bytes, [Impl(n, forward(m, x)) for n, m in mods]),
+        Case("RMSNorm", "fwd+bwd", str(dtype)[6:], shape, fwd_bytes + e * (3 * T * H + 2 * H),
+             [Impl(n, forward_backward(m, [x], dy, params=list(getattr(m, "_orig_mod", m).parameters())))
+              for n, m in mods]),
+    ]
+
+
+def silu_and_mul_cases(dtype: torch.dtype, scale: float) -> list[Case]:
+    from transformers.activations import ACT2FN
+
+    T, I = int(2048 * scale), 18944  # Qwen2-7B intermediate size
+    act = ACT2FN["silu"]
+
+    def eager(gate, up):  # Qwen2MLP's product: act_fn(gate_proj(x)) * up_proj(x)
+        return act(gate) * up
+
+    impls = (("transformers", eager), ("torch.compile", compiled(eager)), ("kernmap", torch.ops.kernmap.silu_and_mul))
+    gate, up, dy = (torch.randn(T, I).to(dtype) for _ in range(3))
+    e, n = gate.element_size(), T * I
+    shape = f"[{T}, {I}]"
+    return [
+        Case("SiluAndMul", "fwd", str(dtype)[6:], shape, e * 3 * n, [Impl(k, forward(f, gate, up)) for k, f in impls]),
+        Case("SiluAndMul", "fwd+bwd", str(dtype)[6:], shape, e * 8 * n,
+             [Impl(k, forward_backward(f, [gate, up], dy)) for k, f in impls]),
+    ]
+
+
+def gated_mlp_cases(dtype: torch.dtype, scale: float) -> list[Case]:
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    T, H, I = int(128 * scale), 3584, 18944
+    eager = Qwen2MLP(Qwen2Config(hidden_size=H, intermediate_size=I, hidden_act="silu")).to(dtype)
+    kern = copy.deepcopy(eager)
+    kernmap.kernelize(kern, mode="training", device="cpu")
+    comp = compiled(copy.deepcopy(eager))
+    x, dy = torch.randn(T, H).to(dtype), torch.randn(T, H).to(dtype)
+    e = x.element_size()
+    weights = e * 3 * H * I
+    shape = f"[{T}, {H}] x I {I}"
+    mods = (("transformers", eager), ("torch.compile", comp), ("kernmap", kern))
+    return [
+        Case("GatedMLP", "fwd", str(dtype)[6:], shape, weights + e * (2 * T * H + 3 * T * I),
+             [Impl(n, forward(m, x)) for n, m in mods]),
+        Case("GatedMLP", "fwd+bwd", str(dtype)[6:], shape, 3 * weights + e * (4 * T * H + 9 * T * I),
+             [Impl(n, forward_backward(m, [x], dy, params=list(getattr(m, "_orig_mod", m).parameters())))
+              for n, m in mods]),
+    ]
+
+
+def experts_cases(dtype: torch.dtype, scale: float) -> list[Case]:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    T, H, I, E, k = int(16 * scale), 2048, 768, 128, 8  # Qwen3-30B-A3B; batched_mm gathers 9 MB of weights per pair
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k)
+    base = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        base.gate_up_proj.normal_(0, 0.02)
+        base.down_proj.normal_(0, 0.02)
+    base = base.to(dtype)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g).softmax(-1).to(dtype)
+    x, dy = torch.randn(T, H).to(dtype), torch.randn(T, H).to(dtype)
+
+    def variant(implementation: str):
+        module = copy.copy(base)  # shares the weights; its own config picks the implementation
+        module.config = copy.copy(base.config)
+        module.config._experts_implementation = implementation
+        return lambda h: module(h, ids, weights)
+
+    names = ("eager", "grouped_mm", "batched_mm", "kernmap")
+    e = x.element_size()
+    weight_bytes = e * 3 * E * H * I
+    shape = f"T {T}, E {E}, top-{k}, H {H}, I {I}"
+    params = [base.gate_up_proj, base.down_proj]
+    impl_label = {"eager": "transformers"}
+    return [
+        Case("Experts", "fwd", str(dtype)[6:], shape, weight_bytes + e * 2 * T * H,
+             [Impl(impl_label.get(n, n), forward(variant(n), x)) for n in names]),
+        Case("Experts", "fwd+bwd", str(dtype)[6:], shape, 3 * weight_bytes + e * 4 * T * H,
+             [Impl(impl_label.get(n, n), forward_backward(variant(n), [x], dy, params=params)) for n in names]),
+    ]
+
+
+FAMILIES = {
+    "RMSNorm": (rms_norm_cases, (torch.float32, torch.bfloat16)),
+    "SiluAndMul": (silu_and_mul_cases, (torch.float32, torch.bfloat16)),
+    "GatedMLP": (gated_mlp_cases, (torch.bfloat16,)),
+    "Experts": (experts_cases, (torch.bfloat16,)),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernmap.bench", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--json", action="store_true", help="machine-readable output (shape of `kernmap bench ops`)")
+    parser.add_argument("--filter", default=".*", help="regex over 'layer/dtype', e.g. 'RMSNorm|Experts'")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--tokens-scale", type=float, default=1.0, help="multiplies every case's token count")
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.reps < 1 or args.tokens_scale <= 0:
+        parser.error("--warmup must be >= 0, --reps >= 1, --tokens-scale > 0")
+    try:
+        pattern = re.compile(args.filter)
+    except re.error as e:
+        parser.error(f"--filter {args.filter!r} is not a valid regular expression: {e}")
+
+    keep_freed_memory()
+    torch.manual_seed(0)
+    copy_bw = copy_gbps(args.reps)
+    progress = not args.json and sys.stderr.isatty()
+    rows = []
+    todo = [(name, dt) for name, (_, dts) in FAMILIES.items() for dt in dts
+            if pattern.search(f"{name}/{str(dt)[6:]}")]
+    for i, (name, dtype) in enumerate(todo):
+        if progress:
+            print(f"\r[{i + 1}/{len(todo)}] {name} {str(dtype)[6:]}...        ", end="", file=sys.stderr, flush=True)
+        for case in FAMILIES[name][0](dtype, args.tokens_scale):
+            timings = time_interleaved(case.impls, args.warmup, args.reps)
+            reference = timings[0][0]
+            for impl, (median, lo, hi) in zip(case.impls, timings):
+                gbps = case.bytes / (median * 1e6)
+                rows.append({"op": case.op, "pass": case.pass_, "dtype": case.dtype, "shape": case.shape,
+                             "impl": impl.name, "median_ms": round(median, 4), "min_ms": round(lo, 4),
+                             "max_ms": round(hi, 4), "gbps": round(gbps, 2),
+                             "pct_of_copy": round(100 * gbps / copy_bw, 1),
+                             "speedup_vs_reference": round(reference / median, 3)})
+    if progress:
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    machine = {"copy_gbps": round(copy_bw, 2), "threads": torch.get_num_threads(),
+               "cpu_level": torch.backends.cpu.get_cpu_capability()}
+    if args.json:
+        print(json.dumps({"machine": machine, "results": rows}))
+        return 0
+    print(f"machine: copy bandwidth {copy_bw:.1f} GB/s (read + write), {machine['threads']} threads, ATen CPU level "
+          f"{machine['cpu_level']}; {args.warmup} warm-up + {args.reps} timed reps, interleaved, medians\n")
+    header = ["layer", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "vs eager"]
+    table = [[r["op"], r["pass"], r["dtype"], r["shape"], r["impl"], f"{r['median_ms']:.3f}",
+              f"{r['min_ms']:.2f}..{r['max_ms']:.2f}", f"{r['gbps']:.1f}", f"{r['pct_of_copy']:.1f}%",
+              f"{r['speedup_vs_reference']:.2f}x"] for r in rows]
+    widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(header)]
+    for line in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
