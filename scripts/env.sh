@@ -10,3 +10,6 @@ export KERNMAP_LIBRARY="$KERNMAP_BUILD/libkernmap.so"
 export PYTHONPATH="$KERNMAP_ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$KERNMAP_VENV/bin:$PATH"
 export CCACHE_DIR="${CCACHE_DIR:-$KERNMAP_HOME/ccache}"
+# Paths relative to the checkout, so a fresh clone reuses the cache of another.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$KERNMAP_ROOT}"
+export CCACHE_NOHASHDIR=1

@@ -90,8 +90,11 @@ def test_twenty_adamw_steps_in_lockstep(family):
             opt.step()
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6), f"step {step}: {losses}"
+    # AdamW normalizes each element's update: where a gradient is ~0, an ulp-level difference in it (kernmap's
+    # SiLU/exp vs torch's) moves that element by up to lr per step. Losses above match every step to 1e-5; the
+    # parameters are held to a tenth of one update.
     for (name, p), q in zip(model.named_parameters(), kernelized.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
