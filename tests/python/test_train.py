@@ -139,7 +139,8 @@ def test_resume_continues_the_exact_sequence(tmp_path):
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     ck = tmp_path / "ck"
     args = ["--preset", "qwen2-tiny", "--seq-len", 32, "--json"]
-    proc = subprocess.Popen([str(KERNMAP), "train", *map(str, args), "--steps", 8, "--save", ck, "--save-every", 4],
+    cmd = [KERNMAP, "train", *args, "--steps", 8, "--save", ck, "--save-every", 4]
+    proc = subprocess.Popen([str(c) for c in cmd],
                             env={**os.environ, "KERNMAP_TEST_SAVE_PAUSE_S": "2"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     final, tmp = ck / "checkpoint.safetensors", ck / "checkpoint.safetensors.tmp"
