@@ -1,5 +1,5 @@
-// `kernmap train`, `kernmap align`, `kernmap ablate`: SFT runs on a preset or a checkpoint, on JSONL token ids
-// or the built-in synthetic data, printed as tables (or --json), with a progress bar on a terminal.
+// `kernmap train`, `kernmap align`, `kernmap ablate`: SFT runs on a preset or a checkpoint, on JSONL token
+// ids or the built-in synthetic data, printed as tables (or --json), with a progress bar on a terminal.
 #include <unistd.h>
 
 #include <cstdio>
@@ -38,30 +38,51 @@ RunArgs parse(const std::vector<std::string>& args) {
     };
     auto integer = [&]() { return std::stoll(value()); };
     auto real = [&]() { return std::stod(value()); };
-    if (a == "--preset") r.preset = value();
-    else if (a == "--model") r.model_dir = value();
-    else if (a == "--data") r.data_path = value();
-    else if (a == "--skip-bad-lines") r.skip_bad_lines = true;
-    else if (a == "--steps") r.steps = integer();
-    else if (a == "--warmup") r.warmup = integer();
-    else if (a == "--dtype") r.dtype = value();
-    else if (a == "--kernels") r.kernels = value();
-    else if (a == "--batch-size") r.options.batch_size = integer();
-    else if (a == "--seq-len") r.seq_len = integer();
-    else if (a == "--examples") r.examples = integer();
-    else if (a == "--lr") r.options.adam.lr = real();
-    else if (a == "--weight-decay") r.options.adam.weight_decay = real();
-    else if (a == "--max-grad-norm") r.options.max_grad_norm = real();
-    else if (a == "--rtol") r.rtol = real();
-    else if (a == "--save") r.save_dir = value();
-    else if (a == "--save-every") r.save_every = integer();
-    else if (a == "--resume") r.resume_dir = value();
-    else if (a == "--json") r.json = true;
-    else throw std::invalid_argument("unknown option '" + a + "' (options: " + kOptions + ")");
+    if (a == "--preset")
+      r.preset = value();
+    else if (a == "--model")
+      r.model_dir = value();
+    else if (a == "--data")
+      r.data_path = value();
+    else if (a == "--skip-bad-lines")
+      r.skip_bad_lines = true;
+    else if (a == "--steps")
+      r.steps = integer();
+    else if (a == "--warmup")
+      r.warmup = integer();
+    else if (a == "--dtype")
+      r.dtype = value();
+    else if (a == "--kernels")
+      r.kernels = value();
+    else if (a == "--batch-size")
+      r.options.batch_size = integer();
+    else if (a == "--seq-len")
+      r.seq_len = integer();
+    else if (a == "--examples")
+      r.examples = integer();
+    else if (a == "--lr")
+      r.options.adam.lr = real();
+    else if (a == "--weight-decay")
+      r.options.adam.weight_decay = real();
+    else if (a == "--max-grad-norm")
+      r.options.max_grad_norm = real();
+    else if (a == "--rtol")
+      r.rtol = real();
+    else if (a == "--save")
+      r.save_dir = value();
+    else if (a == "--save-every")
+      r.save_every = integer();
+    else if (a == "--resume")
+      r.resume_dir = value();
+    else if (a == "--json")
+      r.json = true;
+    else
+      throw std::invalid_argument("unknown option '" + a + "' (options: " + kOptions + ")");
   }
   if (r.preset.empty() == r.model_dir.empty())
-    throw std::invalid_argument("give exactly one of --preset NAME (qwen2-tiny, qwen2-moe-tiny, qwen3-moe-tiny) or "
-                                "--model DIR");
+    throw std::invalid_argument(
+        "give exactly one of --preset NAME (qwen2-tiny, qwen2-moe-tiny, qwen3-moe-tiny) or "
+        "--model DIR");
   if (r.dtype != "float32" && r.dtype != "bfloat16")
     throw std::invalid_argument("--dtype must be float32 or bfloat16, got '" + r.dtype + "'");
   if (r.steps < 1 || r.warmup < 0 || r.options.batch_size < 1)
@@ -71,7 +92,8 @@ RunArgs parse(const std::vector<std::string>& args) {
 }
 
 std::function<std::shared_ptr<CausalLM>()> model_factory(const RunArgs& r) {
-  const at::TensorOptions options = at::TensorOptions().dtype(r.dtype == "float32" ? at::kFloat : at::kBFloat16);
+  const at::TensorOptions options =
+      at::TensorOptions().dtype(r.dtype == "float32" ? at::kFloat : at::kBFloat16);
   if (!r.preset.empty()) return [=] { return make_preset(r.preset, options); };
   return [=] { return from_pretrained(r.model_dir, options); };
 }
@@ -80,8 +102,8 @@ train::Dataset load_data(const RunArgs& r, int64_t vocab_size) {
   if (r.data_path.empty()) return train::synthetic_dataset(vocab_size, r.examples, r.seq_len);
   train::Dataset data = train::read_jsonl(r.data_path, vocab_size, r.skip_bad_lines);
   for (const train::DataIssue& issue : data.skipped)
-    std::fprintf(stderr, "%s: line %lld skipped: %s\n", r.data_path.c_str(), static_cast<long long>(issue.line),
-                 issue.problem.c_str());
+    std::fprintf(stderr, "%s: line %lld skipped: %s\n", r.data_path.c_str(),
+                 static_cast<long long>(issue.line), issue.problem.c_str());
   return data;
 }
 
@@ -106,9 +128,9 @@ std::string num(double v) {
 }
 
 std::string step_json(const train::StepLog& s) {
-  return "{\"step\": " + std::to_string(s.step) + ", \"loss\": " + num(s.loss) + ", \"grad_norm\": " +
-         num(s.grad_norm) + ", \"seconds\": " + num(s.seconds) + ", \"tokens\": " + std::to_string(s.tokens) +
-         ", \"tokens_per_s\": " + num(s.tokens_per_s) + "}";
+  return "{\"step\": " + std::to_string(s.step) + ", \"loss\": " + num(s.loss) +
+         ", \"grad_norm\": " + num(s.grad_norm) + ", \"seconds\": " + num(s.seconds) +
+         ", \"tokens\": " + std::to_string(s.tokens) + ", \"tokens_per_s\": " + num(s.tokens_per_s) + "}";
 }
 
 std::string sci(double v) {
@@ -133,8 +155,9 @@ int train_command(const std::vector<std::string>& args) {
   train::Trainer trainer(model, data, r.options);
   if (!r.resume_dir.empty()) trainer.load_checkpoint(r.resume_dir);
   const int64_t first = trainer.steps();
-  if (!r.json) std::printf("train %s, steps %lld..%lld\n\n", describe(r, model->config(), data).c_str(),
-                           static_cast<long long>(first + 1), static_cast<long long>(r.steps));
+  if (!r.json)
+    std::printf("train %s, steps %lld..%lld\n\n", describe(r, model->config(), data).c_str(),
+                static_cast<long long>(first + 1), static_cast<long long>(r.steps));
   Table table{{"step", "loss", "grad_norm", "ms", "tokens/s"}, {}};
   std::vector<train::StepLog> logs;
   const auto progress = r.json ? train::Progress{} : progress_bar("train");
@@ -168,14 +191,15 @@ int align_command(const std::vector<std::string>& args) {
   const auto factory = model_factory(r);
   const ModelConfig config = factory()->config();
   const train::Dataset data = load_data(r, config.vocab_size);
-  const train::AlignResult res = train::align(factory, data, r.options, train::parse_kernels(r.kernels), r.steps,
-                                              r.rtol, r.json ? train::Progress{} : progress_bar("align"));
+  const train::AlignResult res =
+      train::align(factory, data, r.options, train::parse_kernels(r.kernels), r.steps, r.rtol,
+                   r.json ? train::Progress{} : progress_bar("align"));
   if (r.json) {
     std::string out = "{\"model\": " + json_string(r.preset.empty() ? r.model_dir : r.preset) +
                       ", \"passed\": " + (res.passed ? "true" : "false") + ", \"rtol\": " + num(res.rtol) +
                       ", \"max_loss_rel\": " + num(res.max_loss_rel) +
-                      ", \"max_grad_norm_rel\": " + num(res.max_grad_norm_rel) + ", \"kernels\": " +
-                      res.report.json() + ", \"original\": [";
+                      ", \"max_grad_norm_rel\": " + num(res.max_grad_norm_rel) +
+                      ", \"kernels\": " + res.report.json() + ", \"original\": [";
     for (size_t i = 0; i < res.original.size(); ++i) out += (i ? ", " : "") + step_json(res.original[i]);
     out += "], \"kernelized\": [";
     for (size_t i = 0; i < res.kernelized.size(); ++i) out += (i ? ", " : "") + step_json(res.kernelized[i]);
@@ -186,7 +210,8 @@ int align_command(const std::vector<std::string>& args) {
               static_cast<long long>(r.steps));
   std::string bound;
   for (const ReportEntry& e : res.report.entries)
-    if (!e.fallback && bound.find(e.kernel) == std::string::npos) bound += (bound.empty() ? "" : ", ") + e.kernel;
+    if (!e.fallback && bound.find(e.kernel) == std::string::npos)
+      bound += (bound.empty() ? "" : ", ") + e.kernel;
   std::printf("%s\n\n", bound.empty() ? "none (all reference)" : bound.c_str());
   Table table{{"step", "loss original", "loss kernelized", "rel diff", "grad_norm original",
                "grad_norm kernelized", "rel diff"},
@@ -195,14 +220,16 @@ int align_command(const std::vector<std::string>& args) {
     const auto &a = res.original[i], &b = res.kernelized[i];
     table.rows.push_back({std::to_string(a.step), fixed(a.loss, 6), fixed(b.loss, 6),
                           sci(std::abs(b.loss - a.loss) / std::abs(a.loss)), fixed(a.grad_norm, 6),
-                          fixed(b.grad_norm, 6), sci(std::abs(b.grad_norm - a.grad_norm) / std::abs(a.grad_norm))});
+                          fixed(b.grad_norm, 6),
+                          sci(std::abs(b.grad_norm - a.grad_norm) / std::abs(a.grad_norm))});
   }
   std::fputs(table.render().c_str(), stdout);
-  std::printf("\nverdict: %s — largest relative difference: loss %s (step %lld), grad_norm %s (step %lld); "
-              "tolerance %s\n",
-              res.passed ? "PASS" : "FAIL", sci(res.max_loss_rel).c_str(),
-              static_cast<long long>(res.worst_loss_step), sci(res.max_grad_norm_rel).c_str(),
-              static_cast<long long>(res.worst_grad_norm_step), sci(res.rtol).c_str());
+  std::printf(
+      "\nverdict: %s — largest relative difference: loss %s (step %lld), grad_norm %s (step %lld); "
+      "tolerance %s\n",
+      res.passed ? "PASS" : "FAIL", sci(res.max_loss_rel).c_str(),
+      static_cast<long long>(res.worst_loss_step), sci(res.max_grad_norm_rel).c_str(),
+      static_cast<long long>(res.worst_grad_norm_step), sci(res.rtol).c_str());
   return res.passed ? 0 : 1;
 }
 
@@ -211,16 +238,18 @@ int ablate_command(const std::vector<std::string>& args) {
   const auto factory = model_factory(r);
   const ModelConfig config = factory()->config();
   const train::Dataset data = load_data(r, config.vocab_size);
-  const auto rows = train::ablate(factory, data, r.options, train::parse_kernels(r.kernels), r.warmup, r.steps,
-                                  r.json ? train::Progress{} : progress_bar("ablate"));
+  const auto rows = train::ablate(factory, data, r.options, train::parse_kernels(r.kernels), r.warmup,
+                                  r.steps, r.json ? train::Progress{} : progress_bar("ablate"));
   if (r.json) {
-    std::string out = "{\"model\": " + json_string(r.preset.empty() ? r.model_dir : r.preset) + ", \"rows\": [";
+    std::string out =
+        "{\"model\": " + json_string(r.preset.empty() ? r.model_dir : r.preset) + ", \"rows\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& row = rows[i];
-      out += std::string(i ? ", " : "") + "{\"name\": " + json_string(row.name) + ", \"median_s\": " +
-             num(row.median_s) + ", \"p25_s\": " + num(row.p25_s) + ", \"p75_s\": " + num(row.p75_s) +
-             ", \"speedup_pct\": " + num(row.speedup_pct) + ", \"peak_bytes\": " + num(row.peak_bytes) +
-             ", \"final_loss\": " + num(row.final_loss) + ", \"seconds\": [";
+      out += std::string(i ? ", " : "") + "{\"name\": " + json_string(row.name) +
+             ", \"median_s\": " + num(row.median_s) + ", \"p25_s\": " + num(row.p25_s) +
+             ", \"p75_s\": " + num(row.p75_s) + ", \"speedup_pct\": " + num(row.speedup_pct) +
+             ", \"peak_bytes\": " + num(row.peak_bytes) + ", \"final_loss\": " + num(row.final_loss) +
+             ", \"seconds\": [";
       for (size_t j = 0; j < row.seconds.size(); ++j) out += (j ? ", " : "") + num(row.seconds[j]);
       out += "]}";
     }
@@ -230,7 +259,8 @@ int ablate_command(const std::vector<std::string>& args) {
   std::printf("ablate %s; %lld measured steps per row after %lld warm-up, rows interleaved\n\n",
               describe(r, config, data).c_str(), static_cast<long long>(r.steps),
               static_cast<long long>(r.warmup));
-  Table table{{"kernels", "median ms/step", "spread (p25-p75) ms", "speedup %", "peak MiB", "final loss"}, {}};
+  Table table{{"kernels", "median ms/step", "spread (p25-p75) ms", "speedup %", "peak MiB", "final loss"},
+              {}};
   for (const auto& row : rows)
     table.rows.push_back({row.name, fixed(row.median_s * 1e3, 1),
                           fixed(row.p25_s * 1e3, 1) + "-" + fixed(row.p75_s * 1e3, 1),

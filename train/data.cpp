@@ -81,12 +81,13 @@ Dataset synthetic_dataset(int64_t vocab_size, int64_t num_examples, int64_t seq_
   // whose results are implementation-defined).
   std::mt19937_64 rng(seed);
   Dataset data;
-  data.source = "synthetic(" + std::to_string(num_examples) + " x " + std::to_string(seq_len) + " tokens, seed " +
-                std::to_string(seed) + ")";
+  data.source = "synthetic(" + std::to_string(num_examples) + " x " + std::to_string(seq_len) +
+                " tokens, seed " + std::to_string(seed) + ")";
   const int64_t prompt_len = seq_len / 2;
   for (int64_t e = 0; e < num_examples; ++e) {
     Example ex;
-    for (int64_t i = 0; i < prompt_len; ++i) ex.prompt_ids.push_back(static_cast<int64_t>(rng() % vocab_size));
+    for (int64_t i = 0; i < prompt_len; ++i)
+      ex.prompt_ids.push_back(static_cast<int64_t>(rng() % vocab_size));
     // The response repeats the prompt shifted by one token id: learnable, so the loss falls.
     for (int64_t i = 0; i < seq_len - prompt_len; ++i)
       ex.response_ids.push_back((ex.prompt_ids[i % prompt_len] + 1) % vocab_size);

@@ -32,7 +32,9 @@ class CountingAllocator final : public c10::Allocator {
     }
     return {data, ctx, &release, device};
   }
-  void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
   int64_t live() const { return live_.load(); }
   int64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(live_.load()); }
@@ -106,9 +108,9 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
   return result;
 }
 
-std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
-                                const TrainOptions& options, const LayerSet& layers, int64_t warmup, int64_t steps,
-                                const Progress& progress) {
+std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
+                                const Dataset& data, const TrainOptions& options, const LayerSet& layers,
+                                int64_t warmup, int64_t steps, const Progress& progress) {
   CountingAllocator& memory = CountingAllocator::instance();
   std::vector<AblationRow> rows;
   std::vector<std::unique_ptr<Trainer>> trainers;

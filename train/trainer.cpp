@@ -46,9 +46,9 @@ StepLog Trainer::step() {
 
   optimizer_.zero_grad();
   const CausalLMOutput out = model_->forward(batch.input_ids, batch.labels);  // forward + loss
-  out.loss.backward();                                                         // backward
+  out.loss.backward();                                                        // backward
   const double grad_norm = clip_grad_norm(params_, options_.max_grad_norm);   // clip
-  optimizer_.step();                                                           // update
+  optimizer_.step();                                                          // update
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
@@ -64,7 +64,8 @@ void Trainer::save_checkpoint(const std::string& dir) const {
   const std::string final_path = dir + "/" + kCheckpointFile;
   const std::string tmp_path = final_path + ".tmp";
   write_safetensors(tmp_path, tensors,
-                    {{"format", "kernmap-train"}, {"step", std::to_string(step_)},
+                    {{"format", "kernmap-train"},
+                     {"step", std::to_string(step_)},
                      {"model_type", model_->config().model_type}});
   sync_path(tmp_path);
   // Test hook (tests/python/test_train.py): a pause between the complete temporary file and the rename, in
@@ -85,7 +86,8 @@ void Trainer::load_checkpoint(const std::string& dir) {
   c10::NoGradGuard no_grad;
   for (auto& [name, p] : params_) {
     const std::string key = "param/" + name;
-    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const auto& item) { return item.first == key; });
+    auto it =
+        std::find_if(tensors.begin(), tensors.end(), [&](const auto& item) { return item.first == key; });
     if (it == tensors.end()) throw CheckpointError(path + ": missing tensor '" + key + "'");
     if (!it->second.sizes().equals(p.sizes()))
       throw CheckpointError(path + ": tensor '" + key + "' does not match the model's shape");

@@ -1,7 +1,7 @@
 // Supervised fine-tuning of the kernmap models (DESIGN §6): token-id JSONL data, AdamW and gradient clipping
 // with PyTorch's exact semantics, a step loop with per-step loss / grad_norm / time, atomic checkpoints and
-// exact resume, and the two runs that prove a kernel mapping: alignment (original vs kernelized, step by step)
-// and ablation (step time per kernel, rows interleaved).
+// exact resume, and the two runs that prove a kernel mapping: alignment (original vs kernelized, step by
+// step) and ablation (step time per kernel, rows interleaved).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,8 +48,8 @@ class DataError : public std::runtime_error {
 
 /// Reads JSONL lines {"prompt_ids": [int...], "response_ids": [int...]} (other keys ignored; whitespace-only
 /// lines are not examples). A line is malformed when it is not a JSON object, lacks either key, has a
-/// non-integer or out-of-[0, vocab_size) id, an empty response, or fewer than 2 tokens in all. Malformed lines
-/// throw DataError (all of them listed) unless skip_bad_lines, which records them in Dataset::skipped.
+/// non-integer or out-of-[0, vocab_size) id, an empty response, or fewer than 2 tokens in all. Malformed
+/// lines throw DataError (all of them listed) unless skip_bad_lines, which records them in Dataset::skipped.
 Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines);
 
 /// A deterministic synthetic task (the same for a given seed on every machine): prompts of seq_len / 2 random
@@ -78,7 +78,8 @@ struct AdamWOptions {
 };
 
 /// AdamW with the arithmetic of torch.optim.AdamW's single-tensor path (foreach=False, the CPU default):
-/// decoupled decay p *= 1 - lr*wd; m.lerp_(g, 1-b1); v = v*b2 + (1-b2) g*g; p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2)
+/// decoupled decay p *= 1 - lr*wd; m.lerp_(g, 1-b1); v = v*b2 + (1-b2) g*g; p -= lr/bc1 * m /
+/// (sqrt(v)/sqrt(bc2)
 /// + eps). State is kept in each parameter's dtype.
 class AdamW {
  public:
@@ -178,15 +179,15 @@ struct AblationRow {
   LayerSet layers;
   std::vector<double> seconds;  ///< measured steps (warm-up excluded)
   double median_s = 0, p25_s = 0, p75_s = 0;
-  double speedup_pct = 0;     ///< (original median / this median - 1) * 100
-  double peak_bytes = 0;      ///< most CPU memory allocated during one step, above what was held before it
+  double speedup_pct = 0;  ///< (original median / this median - 1) * 100
+  double peak_bytes = 0;   ///< most CPU memory allocated during one step, above what was held before it
   double final_loss = 0;
 };
 /// Rows original, +each layer the model has (of `layers`), all; each row trains its own copy of the model on
 /// the same batches. Steps are interleaved (step s of every row before step s+1 of any, rows in a rotating
 /// order) so that machine drift hits all rows alike.
-std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
-                                const TrainOptions& options, const LayerSet& layers, int64_t warmup, int64_t steps,
-                                const Progress& progress = {});
+std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
+                                const Dataset& data, const TrainOptions& options, const LayerSet& layers,
+                                int64_t warmup, int64_t steps, const Progress& progress = {});
 
 }  // namespace kernmap::train
