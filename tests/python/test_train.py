@@ -185,3 +185,16 @@ def test_malformed_jsonl_lines_are_reported(tmp_path):
     assert [s["line"] for s in out["skipped"]] == [2, 3, 4, 6, 7, 8]
     assert "line 4 skipped" in skipped.stderr
     assert len(out["steps"]) == 2
+
+
+def test_ablate_rows_and_numbers():
+    out = json.loads(kernmap("ablate", "--preset", "qwen3-moe-tiny", "--steps", 3, "--warmup", 1, "--seq-len", 16,
+                             "--json").stdout)
+    rows = {r["name"]: r for r in out["rows"]}
+    assert list(rows) == ["original", "+RMSNorm", "+Experts", "all"]  # no dense MLP in this preset
+    for r in rows.values():
+        assert len(r["seconds"]) == 3 and r["p25_s"] <= r["median_s"] <= r["p75_s"] and r["peak_bytes"] > 0
+        assert r["final_loss"] == pytest.approx(rows["original"]["final_loss"], rel=1e-5)
+    assert rows["original"]["speedup_pct"] == 0
+    text = kernmap("ablate", "--preset", "qwen2-tiny", "--steps", 2, "--warmup", 0, "--seq-len", 16).stdout
+    assert "+SiluAndMul" in text and "speedup %" in text and "peak MiB" in text
