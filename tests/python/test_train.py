@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("KERNMAP_BUILD", ROOT / "build" / "release"))
@@ -28,6 +29,9 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention
 FAMILIES = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=False,
                                             rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(**COMMON, num_hidden_layers=2, num_experts=6,
+                                                      num_experts_per_tok=2, moe_intermediate_size=16,
+                                                      shared_expert_intermediate_size=24, mlp_only_layers=[1])),
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**COMMON, num_hidden_layers=2, head_dim=12, num_experts=6,
                                                       num_experts_per_tok=2, moe_intermediate_size=16,
                                                       norm_topk_prob=True)),
