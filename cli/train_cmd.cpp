@@ -1,5 +1,6 @@
 // `kernmap train`, `kernmap align`, `kernmap ablate`: SFT runs on a preset or a checkpoint, on JSONL token
 // ids or the built-in synthetic data, printed as tables (or --json), with a progress bar on a terminal.
+#include <ATen/Parallel.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -16,6 +17,7 @@ namespace {
 struct RunArgs {
   std::string preset, model_dir, data_path, dtype = "float32", kernels = "all";
   std::string save_dir, resume_dir;
+  int64_t threads = 0;
   int64_t steps = 20, warmup = 3, save_every = 0, examples = 64, seq_len = 128;
   double rtol = -1;
   bool json = false, skip_bad_lines = false;
@@ -25,7 +27,8 @@ struct RunArgs {
 constexpr const char* kOptions =
     "--preset NAME | --model DIR, --data FILE, --skip-bad-lines, --steps N, --dtype float32|bfloat16, "
     "--kernels all|none|LIST, --batch-size N, --seq-len N, --examples N, --lr X, --weight-decay X, "
-    "--max-grad-norm X, --json; train: --save DIR, --save-every N, --resume DIR; align: --rtol X; "
+    "--max-grad-norm X, --threads N, --json; train: --save DIR, --save-every N, --resume DIR; align: --rtol "
+    "X; "
     "ablate: --warmup N";
 
 RunArgs parse(const std::vector<std::string>& args) {
@@ -87,6 +90,7 @@ RunArgs parse(const std::vector<std::string>& args) {
     throw std::invalid_argument("--dtype must be float32 or bfloat16, got '" + r.dtype + "'");
   if (r.steps < 1 || r.warmup < 0 || r.options.batch_size < 1)
     throw std::invalid_argument("--steps and --batch-size must be >= 1, --warmup >= 0");
+  if (r.threads > 0) at::set_num_threads(static_cast<int>(r.threads));
   if (r.rtol < 0) r.rtol = r.dtype == "float32" ? 1e-5 : 2e-2;
   return r;
 }
@@ -248,6 +252,8 @@ int ablate_command(const std::vector<std::string>& args) {
       out += std::string(i ? ", " : "") + "{\"name\": " + json_string(row.name) +
              ", \"median_s\": " + num(row.median_s) + ", \"p25_s\": " + num(row.p25_s) +
              ", \"p75_s\": " + num(row.p75_s) + ", \"speedup_pct\": " + num(row.speedup_pct) +
+             ", \"min_s\": " + num(row.min_s) + ", \"median_cpu_s\": " + num(row.median_cpu_s) +
+             ", \"cpu_speedup_pct\": " + num(row.cpu_speedup_pct) +
              ", \"peak_bytes\": " + num(row.peak_bytes) + ", \"final_loss\": " + num(row.final_loss) +
              ", \"seconds\": [";
       for (size_t j = 0; j < row.seconds.size(); ++j) out += (j ? ", " : "") + num(row.seconds[j]);
@@ -259,13 +265,15 @@ int ablate_command(const std::vector<std::string>& args) {
   std::printf("ablate %s; %lld measured steps per row after %lld warm-up, rows interleaved\n\n",
               describe(r, config, data).c_str(), static_cast<long long>(r.steps),
               static_cast<long long>(r.warmup));
-  Table table{{"kernels", "median ms/step", "spread (p25-p75) ms", "speedup %", "peak MiB", "final loss"},
+  auto pct = [](double v) { return (v >= 0 ? "+" : "") + fixed(v, 1); };
+  Table table{{"kernels", "median ms/step", "spread (p25-p75) ms", "min ms", "speedup %", "cpu ms/step",
+               "cpu speedup %", "peak MiB", "final loss"},
               {}};
   for (const auto& row : rows)
-    table.rows.push_back({row.name, fixed(row.median_s * 1e3, 1),
-                          fixed(row.p25_s * 1e3, 1) + "-" + fixed(row.p75_s * 1e3, 1),
-                          (row.speedup_pct >= 0 ? "+" : "") + fixed(row.speedup_pct, 1),
-                          fixed(row.peak_bytes / (1 << 20), 1), fixed(row.final_loss, 4)});
+    table.rows.push_back(
+        {row.name, fixed(row.median_s * 1e3, 1), fixed(row.p25_s * 1e3, 1) + "-" + fixed(row.p75_s * 1e3, 1),
+         fixed(row.min_s * 1e3, 1), pct(row.speedup_pct), fixed(row.median_cpu_s * 1e3, 1),
+         pct(row.cpu_speedup_pct), fixed(row.peak_bytes / (1 << 20), 1), fixed(row.final_loss, 4)});
   std::fputs(table.render().c_str(), stdout);
   return 0;
 }

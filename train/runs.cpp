@@ -139,7 +139,10 @@ std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>
       const StepLog log = trainers[r]->step();
       rows[r].peak_bytes = std::max(rows[r].peak_bytes, static_cast<double>(memory.peak() - before));
       rows[r].final_loss = log.loss;
-      if (s >= warmup) rows[r].seconds.push_back(log.seconds);
+      if (s >= warmup) {
+        rows[r].seconds.push_back(log.seconds);
+        rows[r].cpu_seconds.push_back(log.cpu_seconds);
+      }
     }
     if (progress) progress(s + 1, total);
   }
@@ -147,7 +150,10 @@ std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>
     row.median_s = percentile(row.seconds, 0.5);
     row.p25_s = percentile(row.seconds, 0.25);
     row.p75_s = percentile(row.seconds, 0.75);
+    row.min_s = percentile(row.seconds, 0.0);
+    row.median_cpu_s = percentile(row.cpu_seconds, 0.5);
     row.speedup_pct = (rows.front().median_s / row.median_s - 1) * 100;
+    row.cpu_speedup_pct = (rows.front().median_cpu_s / row.median_cpu_s - 1) * 100;
   }
   return rows;
 }

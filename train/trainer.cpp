@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <thread>
 
@@ -26,6 +27,12 @@ void sync_path(const std::string& path) {
   if (rc != 0) throw CheckpointError(path + ": fsync failed");
 }
 
+double cpu_now() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 }  // namespace
 
 Trainer::Trainer(std::shared_ptr<CausalLM> model, const Dataset& data, TrainOptions options)
@@ -43,6 +50,7 @@ StepLog Trainer::step() {
   const int64_t pad_id = std::max<int64_t>(model_->config().pad_token_id, 0);
   const Batch batch = make_batch(data_, step_, options_.batch_size, pad_id);
   const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = cpu_now();
 
   optimizer_.zero_grad();
   const CausalLMOutput out = model_->forward(batch.input_ids, batch.labels);  // forward + loss
@@ -51,8 +59,10 @@ StepLog Trainer::step() {
   optimizer_.step();                                                          // update
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double cpu_seconds = cpu_now() - cpu_start;
   ++step_;
-  return {step_, out.loss.item<double>(), grad_norm, seconds, batch.tokens, batch.tokens / seconds};
+  return {step_,        out.loss.item<double>(), grad_norm, seconds, cpu_seconds,
+          batch.tokens, batch.tokens / seconds};
 }
 
 void Trainer::save_checkpoint(const std::string& dir) const {

@@ -111,7 +111,9 @@ struct StepLog {
   int64_t step = 0;  ///< 1-based
   double loss = 0;
   double grad_norm = 0;
-  double seconds = 0;  ///< forward + loss + backward + clip + update
+  double seconds = 0;      ///< forward + loss + backward + clip + update, wall clock
+  double cpu_seconds = 0;  ///< the same span in process CPU time (all threads): the work done, which other
+                           ///< processes on a shared machine disturb far less than the wall clock
   int64_t tokens = 0;
   double tokens_per_s = 0;
 };
@@ -177,10 +179,13 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
 struct AblationRow {
   std::string name;  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
   LayerSet layers;
-  std::vector<double> seconds;  ///< measured steps (warm-up excluded)
-  double median_s = 0, p25_s = 0, p75_s = 0;
-  double speedup_pct = 0;  ///< (original median / this median - 1) * 100
-  double peak_bytes = 0;   ///< most CPU memory allocated during one step, above what was held before it
+  std::vector<double> seconds;      ///< measured steps (warm-up excluded), wall clock
+  std::vector<double> cpu_seconds;  ///< the same steps in process CPU time
+  double median_s = 0, p25_s = 0, p75_s = 0, min_s = 0;
+  double median_cpu_s = 0;
+  double speedup_pct = 0;      ///< (original median / this median - 1) * 100, wall clock
+  double cpu_speedup_pct = 0;  ///< the same on the CPU-time medians
+  double peak_bytes = 0;       ///< most CPU memory allocated during one step, above what was held before it
   double final_loss = 0;
 };
 /// Rows original, +each layer the model has (of `layers`), all; each row trains its own copy of the model on
