@@ -77,6 +77,8 @@ RunArgs parse(const std::vector<std::string>& args) {
       r.save_every = integer();
     else if (a == "--resume")
       r.resume_dir = value();
+    else if (a == "--threads")
+      r.threads = integer();
     else if (a == "--json")
       r.json = true;
     else
