@@ -124,7 +124,7 @@ struct TrainOptions {
   AdamWOptions adam;
 };
 
-/// The SFT step loop over a model and a dataset.
+/// The SFT step loop over a model and a dataset (held by reference: it must outlive the trainer).
 class Trainer {
  public:
   Trainer(std::shared_ptr<CausalLM> model, const Dataset& data, TrainOptions options);
