@@ -18,6 +18,14 @@ constexpr const char* kUsage =
     "  plan (--preset NAME | --model DIR)     the kernel each layer of a model gets here, and why (the\n"
     "       [--mode training|inference]       kernelize report), without running the model; presets:\n"
     "       [--device cpu] [--json]           qwen2-tiny, qwen2-moe-tiny, qwen3-moe-tiny\n"
+    "  train  (--preset NAME | --model DIR)   SFT: per-step loss, grad_norm, ms, tokens/s; [--data FILE]\n"
+    "         [--steps N] [--save DIR]        (JSONL prompt_ids/response_ids; default synthetic)\n"
+    "         [--save-every N] [--resume DIR] [--skip-bad-lines] [--dtype float32|bfloat16]\n"
+    "  align  (--preset NAME | --model DIR)   original vs kernelized run, per step, and a verdict\n"
+    "         [--data FILE] [--steps N] [--kernels all|none|LIST] [--rtol X]\n"
+    "  ablate (--preset NAME | --model DIR)   step time: original, +each kernel, all (interleaved,\n"
+    "         [--steps N] [--warmup N]        medians, spread, speedup %, peak memory)\n"
+    "  common: --batch-size N --seq-len N --examples N --lr X --weight-decay X --max-grad-norm X --json\n"
     "\n"
     "environment: KERNMAP_DISABLE=all|Layer,...  KERNMAP_LOG=1  "
     "KERNMAP_CPU_ISA=baseline|avx2|avx512|avx512bf16\n";
@@ -36,6 +44,9 @@ int main(int argc, char** argv) {
     if (command == "kernels") return kernmap::cli::kernels_command(args);
     if (command == "bench") return kernmap::cli::bench_command(args);
     if (command == "plan") return kernmap::cli::plan_command(args);
+    if (command == "train") return kernmap::cli::train_command(args);
+    if (command == "align") return kernmap::cli::align_command(args);
+    if (command == "ablate") return kernmap::cli::ablate_command(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernmap %s: %s\n", command.c_str(), e.what());
     return 1;

@@ -238,8 +238,9 @@ ModelConfig preset_config(const std::string& name) {
     c.model_type = "qwen2_moe";
     c.num_hidden_layers = 3;
     c.qkv_bias = true;
-    c.num_experts = 8;
-    c.num_experts_per_tok = 2;
+    // Many small experts, as in the MoE models whose expert loop the Experts kernel replaces.
+    c.num_experts = 32;
+    c.num_experts_per_tok = 4;
     c.moe_intermediate_size = 32;
     c.shared_expert_intermediate_size = 64;
     c.mlp_only_layers = {2};
@@ -247,8 +248,8 @@ ModelConfig preset_config(const std::string& name) {
     c.model_type = "qwen3_moe";
     c.num_hidden_layers = 2;
     c.qk_norm = true;
-    c.num_experts = 8;
-    c.num_experts_per_tok = 2;
+    c.num_experts = 32;
+    c.num_experts_per_tok = 4;
     c.moe_intermediate_size = 32;
     c.norm_topk_prob = true;
   } else {

@@ -1,0 +1,198 @@
+// Supervised fine-tuning of the kernmap models (DESIGN §6): token-id JSONL data, AdamW and gradient clipping
+// with PyTorch's exact semantics, a step loop with per-step loss / grad_norm / time, atomic checkpoints and
+// exact resume, and the two runs that prove a kernel mapping: alignment (original vs kernelized, step by
+// step) and ablation (step time per kernel, rows interleaved).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernmap/models.h"
+
+namespace kernmap::train {
+
+/// One supervised example: the loss covers response_ids only.
+struct Example {
+  std::vector<int64_t> prompt_ids;
+  std::vector<int64_t> response_ids;
+};
+
+/// A data line that could not be used: its 1-based line number and what is wrong with it.
+struct DataIssue {
+  int64_t line = 0;
+  std::string problem;
+};
+
+/// Examples in file order, and every line that was skipped (with skip_bad_lines).
+struct Dataset {
+  std::string source;  ///< the file, or "synthetic(...)"
+  std::vector<Example> examples;
+  std::vector<DataIssue> skipped;
+};
+
+/// Data that cannot be used: the message lists every malformed line with its number.
+class DataError : public std::runtime_error {
+ public:
+  DataError(const std::string& what, std::vector<DataIssue> issues)
+      : std::runtime_error(what), issues(std::move(issues)) {}
+  std::vector<DataIssue> issues;
+};
+
+/// Reads JSONL lines {"prompt_ids": [int...], "response_ids": [int...]} (other keys ignored; whitespace-only
+/// lines are not examples). A line is malformed when it is not a JSON object, lacks either key, has a
+/// non-integer or out-of-[0, vocab_size) id, an empty response, or fewer than 2 tokens in all. Malformed
+/// lines throw DataError (all of them listed) unless skip_bad_lines, which records them in Dataset::skipped.
+Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines);
+
+/// A deterministic synthetic task (the same for a given seed on every machine): prompts of seq_len / 2 random
+/// tokens, responses that continue them by a fixed rule, so the loss falls as the model learns it.
+Dataset synthetic_dataset(int64_t vocab_size, int64_t num_examples, int64_t seq_len, uint64_t seed = 1234);
+
+/// input_ids [B, S] and labels [B, S] int64: the examples of a step, right-padded to the longest.
+struct Batch {
+  at::Tensor input_ids;
+  at::Tensor labels;   ///< the token on response positions, -100 on prompt and padding
+  int64_t tokens = 0;  ///< non-padding tokens
+};
+
+/// The batch of step `step` (0-based): examples (step * batch_size + b) mod N for b < batch_size, each
+/// prompt + response, right-padded with pad_id (labels -100 there). With causal attention, right padding
+/// changes no logit of a real token, so a padded batch computes what its examples compute alone.
+Batch make_batch(const Dataset& data, int64_t step, int64_t batch_size, int64_t pad_id);
+
+/// torch.optim.AdamW hyper-parameters (its defaults, except weight_decay and lr as set by the trainer).
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
+/// AdamW with the arithmetic of torch.optim.AdamW's single-tensor path (foreach=False, the CPU default):
+/// decoupled decay p *= 1 - lr*wd; m.lerp_(g, 1-b1); v = v*b2 + (1-b2) g*g; p -= lr/bc1 * m /
+/// (sqrt(v)/sqrt(bc2)
+/// + eps). State is kept in each parameter's dtype.
+class AdamW {
+ public:
+  AdamW(std::vector<std::pair<std::string, at::Tensor>> params, AdamWOptions options);
+  /// Sets every gradient to none (zero_grad(set_to_none=True)).
+  void zero_grad();
+  /// One update of every parameter that has a gradient.
+  void step();
+  int64_t steps() const { return step_; }
+  /// State tensors by name ("exp_avg/<param>", "exp_avg_sq/<param>") for checkpoints.
+  std::vector<std::pair<std::string, at::Tensor>> state() const;
+  /// Restores state() output and the step count; throws std::runtime_error naming a missing or mis-shaped
+  /// tensor.
+  void load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t step);
+
+ private:
+  std::vector<std::pair<std::string, at::Tensor>> params_;
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
+  AdamWOptions options_;
+  int64_t step_ = 0;
+};
+
+/// torch.nn.utils.clip_grad_norm_(params, max_norm): the 2-norm of the per-tensor 2-norms of the gradients,
+/// then every gradient times min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping.
+double clip_grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params, double max_norm);
+
+/// What one optimisation step did.
+struct StepLog {
+  int64_t step = 0;  ///< 1-based
+  double loss = 0;
+  double grad_norm = 0;
+  double seconds = 0;      ///< forward + loss + backward + clip + update, wall clock
+  double cpu_seconds = 0;  ///< the same span in process CPU time (all threads): the work done, which other
+                           ///< processes on a shared machine disturb far less than the wall clock
+  int64_t tokens = 0;
+  double tokens_per_s = 0;
+};
+
+struct TrainOptions {
+  int64_t batch_size = 4;
+  double max_grad_norm = 1.0;
+  AdamWOptions adam;
+};
+
+/// The SFT step loop over a model and a dataset (held by reference: it must outlive the trainer).
+class Trainer {
+ public:
+  Trainer(std::shared_ptr<CausalLM> model, const Dataset& data, TrainOptions options);
+  /// forward, loss, backward, clip, update: one step on the next batch.
+  StepLog step();
+  /// Steps done (the next batch is make_batch(data, steps())).
+  int64_t steps() const { return step_; }
+  CausalLM& model() { return *model_; }
+  /// Writes parameters, optimiser state and the step count to dir/checkpoint.safetensors atomically: into a
+  /// temporary file that is flushed to disk, then renamed over the previous checkpoint, so an interruption at
+  /// any moment leaves the previous checkpoint whole.
+  void save_checkpoint(const std::string& dir) const;
+  /// Restores what save_checkpoint wrote; training then continues the uninterrupted run's sequence exactly.
+  void load_checkpoint(const std::string& dir);
+
+ private:
+  std::shared_ptr<CausalLM> model_;
+  const Dataset& data_;
+  TrainOptions options_;
+  std::vector<std::pair<std::string, at::Tensor>> params_;
+  AdamW optimizer_;
+  int64_t step_ = 0;
+};
+
+/// The layers a run kernelizes: a subset of {"RMSNorm", "SiluAndMul", "Experts"}; the rest stay on their
+/// reference kernels.
+using LayerSet = std::set<std::string>;
+/// "all", "none" or a comma list of layer names; throws std::invalid_argument for an unknown name.
+LayerSet parse_kernels(const std::string& text);
+/// Kernelizes the layers in `layers` for training on the model's device and binds every other kernel layer to
+/// its reference. Returns the kernelize report of the final binding.
+Report bind_kernels(CausalLM& model, const LayerSet& layers);
+
+/// Called after each step of a run: (steps done, steps in all).
+using Progress = std::function<void(int64_t, int64_t)>;
+
+/// Original (all references) and kernelized runs of the same model, data and seed, step by step.
+struct AlignResult {
+  std::vector<StepLog> original, kernelized;
+  Report report;  ///< the kernelized run's binding
+  double max_loss_rel = 0, max_grad_norm_rel = 0;
+  int64_t worst_loss_step = 0, worst_grad_norm_step = 0;
+  double rtol = 0;
+  bool passed = false;
+};
+/// make_model() must return the same initial model each call.
+AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
+                  const TrainOptions& options, const LayerSet& layers, int64_t steps, double rtol,
+                  const Progress& progress = {});
+
+/// One row of the ablation table.
+struct AblationRow {
+  std::string name;  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
+  LayerSet layers;
+  std::vector<double> seconds;      ///< measured steps (warm-up excluded), wall clock
+  std::vector<double> cpu_seconds;  ///< the same steps in process CPU time
+  double median_s = 0, p25_s = 0, p75_s = 0, min_s = 0;
+  double median_cpu_s = 0;
+  double speedup_pct = 0;      ///< (original median / this median - 1) * 100, wall clock
+  double cpu_speedup_pct = 0;  ///< the same on the CPU-time medians
+  double peak_bytes = 0;       ///< most CPU memory allocated during one step, above what was held before it
+  double final_loss = 0;
+};
+/// Rows original, +each layer the model has (of `layers`), all; each row trains its own copy of the model on
+/// the same batches. Steps are interleaved (step s of every row before step s+1 of any, rows in a rotating
+/// order) so that machine drift hits all rows alike.
+std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
+                                const Dataset& data, const TrainOptions& options, const LayerSet& layers,
+                                int64_t warmup, int64_t steps, const Progress& progress = {});
+
+}  // namespace kernmap::train

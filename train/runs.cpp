@@ -1,0 +1,161 @@
+// The runs that prove a kernel mapping: alignment (original vs kernelized, step by step) and ablation (step
+// time per kernel, interleaved, with each step's peak CPU memory).
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+#include "include/kernmap/train.h"
+
+namespace kernmap::train {
+namespace {
+
+double rel_diff(double a, double b) {
+  return std::abs(a - b) / std::max(std::abs(b), 1e-30);
+}
+
+// Wraps the CPU allocator to count live bytes and their peak (c10 keeps no CPU statistics). Installed for the
+// life of the process once an ablation runs; it only forwards and counts.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    auto* ctx = new Context{std::move(inner), n, this};
+    const int64_t now = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, ctx, &release, device};
+  }
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  int64_t live() const { return live_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_.store(live_.load()); }
+
+  static CountingAllocator& instance() {
+    static CountingAllocator* counting = [] {
+      auto* a = new CountingAllocator(c10::GetCPUAllocator());
+      c10::SetCPUAllocator(a, /*priority=*/1);
+      return a;
+    }();
+    return *counting;
+  }
+
+ private:
+  struct Context {
+    c10::DataPtr inner;
+    size_t bytes;
+    CountingAllocator* owner;
+  };
+  static void release(void* p) {
+    auto* ctx = static_cast<Context*>(p);
+    ctx->owner->live_.fetch_sub(static_cast<int64_t>(ctx->bytes));
+    delete ctx;  // frees through the wrapped allocator's deleter
+  }
+  c10::Allocator* base_;
+  std::atomic<int64_t> live_{0}, peak_{0};
+};
+
+double percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  const double pos = q * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(pos);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+}
+
+bool has_layer(torch::nn::Module& model, const std::string& name) {
+  for (const auto& m : model.modules())
+    if (auto* layer = dynamic_cast<KernelLayer*>(m.get()); layer && layer->layer_name() == name) return true;
+  return false;
+}
+
+}  // namespace
+
+AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
+                  const TrainOptions& options, const LayerSet& layers, int64_t steps, double rtol,
+                  const Progress& progress) {
+  AlignResult result;
+  result.rtol = rtol;
+  auto original_model = make_model();
+  auto kernel_model = make_model();
+  restore_reference(*original_model);
+  result.report = bind_kernels(*kernel_model, layers);
+  Trainer original(original_model, data, options), kernelized(kernel_model, data, options);
+  for (int64_t s = 0; s < steps; ++s) {
+    result.original.push_back(original.step());
+    result.kernelized.push_back(kernelized.step());
+    const StepLog &a = result.original.back(), &b = result.kernelized.back();
+    if (double d = rel_diff(b.loss, a.loss); d >= result.max_loss_rel) {
+      result.max_loss_rel = d;
+      result.worst_loss_step = a.step;
+    }
+    if (double d = rel_diff(b.grad_norm, a.grad_norm); d >= result.max_grad_norm_rel) {
+      result.max_grad_norm_rel = d;
+      result.worst_grad_norm_step = a.step;
+    }
+    if (progress) progress(s + 1, steps);
+  }
+  result.passed = std::isfinite(result.max_loss_rel) && std::isfinite(result.max_grad_norm_rel) &&
+                  result.max_loss_rel <= rtol && result.max_grad_norm_rel <= rtol;
+  return result;
+}
+
+std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
+                                const Dataset& data, const TrainOptions& options, const LayerSet& layers,
+                                int64_t warmup, int64_t steps, const Progress& progress) {
+  CountingAllocator& memory = CountingAllocator::instance();
+  std::vector<AblationRow> rows;
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  auto add_row = [&](std::string name, LayerSet set) {
+    auto model = make_model();
+    bind_kernels(*model, set);
+    trainers.push_back(std::make_unique<Trainer>(model, data, options));
+    rows.push_back({std::move(name), std::move(set)});
+  };
+  add_row("original", {});
+  auto probe = make_model();
+  for (const char* layer : {"RMSNorm", "SiluAndMul", "Experts"})
+    if (layers.count(layer) && has_layer(*probe, layer)) add_row(std::string("+") + layer, {layer});
+  probe.reset();
+  LayerSet all;
+  for (const auto& row : rows) all.insert(row.layers.begin(), row.layers.end());
+  add_row("all", all);
+
+  const int64_t total = warmup + steps;
+  const size_t n = rows.size();
+  for (int64_t s = 0; s < total; ++s) {
+    for (size_t k = 0; k < n; ++k) {
+      const size_t r = (static_cast<size_t>(s) + k) % n;  // rotate the order so no row is always first
+      const int64_t before = memory.live();
+      memory.reset_peak();
+      const StepLog log = trainers[r]->step();
+      rows[r].peak_bytes = std::max(rows[r].peak_bytes, static_cast<double>(memory.peak() - before));
+      rows[r].final_loss = log.loss;
+      if (s >= warmup) {
+        rows[r].seconds.push_back(log.seconds);
+        rows[r].cpu_seconds.push_back(log.cpu_seconds);
+      }
+    }
+    if (progress) progress(s + 1, total);
+  }
+  for (AblationRow& row : rows) {
+    row.median_s = percentile(row.seconds, 0.5);
+    row.p25_s = percentile(row.seconds, 0.25);
+    row.p75_s = percentile(row.seconds, 0.75);
+    row.min_s = percentile(row.seconds, 0.0);
+    row.median_cpu_s = percentile(row.cpu_seconds, 0.5);
+    row.speedup_pct = (rows.front().median_s / row.median_s - 1) * 100;
+    row.cpu_speedup_pct = (rows.front().median_cpu_s / row.median_cpu_s - 1) * 100;
+  }
+  return rows;
+}
+
+}  // namespace kernmap::train

@@ -1,0 +1,143 @@
+// The SFT step loop and its checkpoints.
+#include <ATen/ops/full.h>
+#include <c10/core/GradMode.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <thread>
+
+#include "include/kernmap/train.h"
+
+namespace kernmap::train {
+namespace {
+
+constexpr const char* kCheckpointFile = "checkpoint.safetensors";
+
+// Flushes a file (or folder) to disk so that a rename after it cannot expose unwritten data.
+void sync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw CheckpointError(path + ": cannot open to sync");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw CheckpointError(path + ": fsync failed");
+}
+
+double cpu_now() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+}  // namespace
+
+Trainer::Trainer(std::shared_ptr<CausalLM> model, const Dataset& data, TrainOptions options)
+    : model_(std::move(model)),
+      data_(data),
+      options_(options),
+      params_([&] {
+        std::vector<std::pair<std::string, at::Tensor>> params;
+        for (const auto& item : model_->named_parameters()) params.emplace_back(item.key(), item.value());
+        return params;
+      }()),
+      optimizer_(params_, options_.adam) {}
+
+StepLog Trainer::step() {
+  const int64_t pad_id = std::max<int64_t>(model_->config().pad_token_id, 0);
+  const Batch batch = make_batch(data_, step_, options_.batch_size, pad_id);
+  const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = cpu_now();
+
+  optimizer_.zero_grad();
+  const CausalLMOutput out = model_->forward(batch.input_ids, batch.labels);  // forward + loss
+  out.loss.backward();                                                        // backward
+  const double grad_norm = clip_grad_norm(params_, options_.max_grad_norm);   // clip
+  optimizer_.step();                                                          // update
+
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double cpu_seconds = cpu_now() - cpu_start;
+  ++step_;
+  return {step_,        out.loss.item<double>(), grad_norm, seconds, cpu_seconds,
+          batch.tokens, batch.tokens / seconds};
+}
+
+void Trainer::save_checkpoint(const std::string& dir) const {
+  std::filesystem::create_directories(dir);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, p] : params_) tensors.emplace_back("param/" + name, p.detach());
+  for (const auto& item : optimizer_.state()) tensors.push_back(item);
+  tensors.emplace_back("trainer/step", at::full({1}, step_, at::kLong));
+  const std::string final_path = dir + "/" + kCheckpointFile;
+  const std::string tmp_path = final_path + ".tmp";
+  write_safetensors(tmp_path, tensors,
+                    {{"format", "kernmap-train"},
+                     {"step", std::to_string(step_)},
+                     {"model_type", model_->config().model_type}});
+  sync_path(tmp_path);
+  // Test hook (tests/python/test_train.py): a pause between the complete temporary file and the rename, in
+  // which the test kills the process.
+  if (const char* pause = std::getenv("KERNMAP_TEST_SAVE_PAUSE_S"); pause != nullptr)
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(pause)));
+  std::filesystem::rename(tmp_path, final_path);  // atomic: readers see the old file or the new one
+  sync_path(dir);
+}
+
+void Trainer::load_checkpoint(const std::string& dir) {
+  const std::string path = dir + "/" + kCheckpointFile;
+  const auto tensors = read_safetensors(path);
+  int64_t step = -1;
+  for (const auto& [name, t] : tensors)
+    if (name == "trainer/step") step = t.item<int64_t>();
+  if (step < 0) throw CheckpointError(path + ": missing tensor 'trainer/step'");
+  c10::NoGradGuard no_grad;
+  for (auto& [name, p] : params_) {
+    const std::string key = "param/" + name;
+    auto it =
+        std::find_if(tensors.begin(), tensors.end(), [&](const auto& item) { return item.first == key; });
+    if (it == tensors.end()) throw CheckpointError(path + ": missing tensor '" + key + "'");
+    if (!it->second.sizes().equals(p.sizes()))
+      throw CheckpointError(path + ": tensor '" + key + "' does not match the model's shape");
+    p.copy_(it->second);
+  }
+  optimizer_.load_state(tensors, step);
+  step_ = step;
+}
+
+LayerSet parse_kernels(const std::string& text) {
+  const LayerSet known = {"RMSNorm", "SiluAndMul", "Experts"};
+  if (text == "all") return known;
+  if (text == "none") return {};
+  LayerSet out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t end = std::min(text.find(',', start), text.size());
+    const std::string name = text.substr(start, end - start);
+    if (!known.count(name))
+      throw std::invalid_argument("--kernels: unknown layer '" + name +
+                                  "' (expected all, none or a comma list of RMSNorm, SiluAndMul, Experts)");
+    out.insert(name);
+    start = end + 1;
+  }
+  return out;
+}
+
+Report bind_kernels(CausalLM& model, const LayerSet& layers) {
+  Report report = kernelize(model, "", Mode::kTraining);
+  for (const auto& module : model.modules())
+    if (auto* layer = dynamic_cast<KernelLayer*>(module.get()); layer && !layers.count(layer->layer_name()))
+      layer->bind(*reference_kernel(layer->layer_name()));
+  for (ReportEntry& e : report.entries)
+    if (!layers.count(e.layer)) {
+      e.kernel = reference_kernel(e.layer)->name;
+      e.fallback = true;
+      e.source = "reference";
+      e.reason = "not selected by --kernels";
+    }
+  return report;
+}
+
+}  // namespace kernmap::train
