@@ -44,11 +44,14 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
               a.sizes(), " and ", b.sizes());
   ops::check_offs("reference_grouped_mm", offs, b.size(0), a.size(0), a);
   const at::Tensor ends = offs.to(at::kCPU);
+  // unbind, not select: its backward stacks the per-group gradients once, as transformers' fallback backward
+  // fills one zeros_like(weight); select's would materialize a full-size gradient per group.
+  const std::vector<at::Tensor> groups = b.unbind(0);
   std::vector<at::Tensor> pieces;
   int64_t start = 0;
   for (int64_t e = 0; e < b.size(0); ++e) {
     const int64_t end = ends[e].item<int64_t>();
-    pieces.push_back(at::mm(a.slice(0, start, end), b.select(0, e)));
+    pieces.push_back(at::mm(a.slice(0, start, end), groups[e]));
     start = end;
   }
   return pieces.empty() ? at::empty({0, b.size(2)}, a.options()) : at::cat(pieces, 0);
