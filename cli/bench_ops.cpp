@@ -152,20 +152,20 @@ int bench_command(const std::vector<std::string>& args) {
                                                                      {"grouped_mm", grouped_mm_cases},
                                                                      {"experts", experts_cases}};
   const std::vector<std::string> dtypes = {"float32", "bfloat16"};
-  std::vector<std::pair<const CaseFactory*, std::string>> todo;
+  std::vector<std::pair<const CaseFactory*, std::string>> planned;
   for (const auto& [op, factory] : families)
     for (const auto& dt : dtypes)
-      if (std::regex_search(op + "/" + dt, filter)) todo.push_back({&factory, dt});
+      if (std::regex_search(op + "/" + dt, filter)) planned.push_back({&factory, dt});
 
   const double copy = copy_gbps(o);
   std::map<std::string, double> peak;  // dense GFLOP/s per dtype, measured when a case does FLOPs
   std::vector<Row> rows;
-  for (size_t i = 0; i < todo.size(); ++i) {
-    const auto& [factory, dt] = todo[i];
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const auto& [factory, dt] = planned[i];
     for (const CaseBuilder& build : (*factory)(dt)) {
       const Case c = build();
       if (progress)
-        std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, todo.size(), c.op.c_str(), c.pass.c_str(),
+        std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, planned.size(), c.op.c_str(), c.pass.c_str(),
                      dt.c_str(), c.shape.c_str());
       if (c.flops > 0 && !peak.count(dt)) peak[dt] = dense_gflops(dt, o);
       Options co = o;

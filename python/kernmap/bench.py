@@ -232,11 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_gbps(args.reps)
     progress = not args.json and sys.stderr.isatty()
     rows = []
-    todo = [(name, dt) for name, (_, dts) in FAMILIES.items() for dt in dts
+    planned = [(name, dt) for name, (_, dts) in FAMILIES.items() for dt in dts
             if pattern.search(f"{name}/{str(dt)[6:]}")]
-    for i, (name, dtype) in enumerate(todo):
+    for i, (name, dtype) in enumerate(planned):
         if progress:
-            print(f"\r[{i + 1}/{len(todo)}] {name} {str(dtype)[6:]}...        ", end="", file=sys.stderr, flush=True)
+            print(f"\r[{i + 1}/{len(planned)}] {name} {str(dtype)[6:]}...        ", end="", file=sys.stderr, flush=True)
         for case in FAMILIES[name][0](dtype, args.tokens_scale):
             timings = time_interleaved(case.impls, args.warmup, args.reps)
             reference = timings[0][0]
