@@ -4,7 +4,7 @@ network):
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
     import kernmap.layers
 
-    kernmap.layers.mark_transformers_layers(model)   # only needed while transformers' kernels stub is active
+    kernmap.layers.mark_transformers_layers(model)   # needed while transformers' layer markers are no-ops (kernels < 0.18.2)
     with use_kernel_mapping({"RMSNorm": {"cpu": kernmap.layers.repository("RMSNorm")}}):
         kernelize(model, mode=Mode.TRAINING, device="cpu")
 
