@@ -1,7 +1,8 @@
 # Locates LibTorch inside the pinned PyPI torch wheel and defines the imported target kernmap::torch_cpu
-# (torch_cpu + c10, their include folders, the wheel's C++ ABI). The wheel's own TorchConfig.cmake looks for a
-# CUDA toolkit of the version torch was built with; CPU targets do not need it, so it is not used here.
-# Under pip (scikit-build-core) the interpreter that runs the build is the one whose torch to use.
+# (cmake/TorchTarget.cmake: torch_cpu + c10, their include folders, the wheel's C++ ABI). The wheel's own
+# TorchConfig.cmake looks for a CUDA toolkit of the version torch was built with; CPU targets do not need it, so
+# it is not used here. Under pip (scikit-build-core) the interpreter that runs the build is the one whose torch
+# to use.
 if(DEFINED Python_EXECUTABLE)
   set(_kernmap_default_python "${Python_EXECUTABLE}")
 else()
@@ -22,16 +23,10 @@ list(GET _torch_info 1 KERNMAP_TORCH_CXX11_ABI)
 list(GET _torch_info 2 KERNMAP_TORCH_VERSION)
 message(STATUS "kernmap: torch ${KERNMAP_TORCH_VERSION} at ${KERNMAP_TORCH_DIR}")
 
+include("${CMAKE_CURRENT_LIST_DIR}/TorchTarget.cmake")
+kernmap_check_torch_dir("${KERNMAP_TORCH_DIR}" _torch_error KERNMAP_TORCH_HEADER_VERSION)
+if(_torch_error)
+  message(FATAL_ERROR "kernmap: the torch of KERNMAP_PYTHON=${KERNMAP_PYTHON} has no LibTorch files: ${_torch_error}")
+endif()
 set(KERNMAP_TORCH_LIB_DIR "${KERNMAP_TORCH_DIR}/lib")
-add_library(kernmap_torch_cpu INTERFACE)
-add_library(kernmap::torch_cpu ALIAS kernmap_torch_cpu)
-target_include_directories(kernmap_torch_cpu SYSTEM INTERFACE
-  "${KERNMAP_TORCH_DIR}/include" "${KERNMAP_TORCH_DIR}/include/torch/csrc/api/include")
-target_link_libraries(kernmap_torch_cpu INTERFACE
-  "${KERNMAP_TORCH_LIB_DIR}/libtorch_cpu.so" "${KERNMAP_TORCH_LIB_DIR}/libc10.so")
-target_compile_definitions(kernmap_torch_cpu INTERFACE _GLIBCXX_USE_CXX11_ABI=${KERNMAP_TORCH_CXX11_ABI})
-# The wheel's ATen is built with OpenMP (AT_PARALLEL_OPENMP): at::parallel_for is a `#pragma omp parallel` in a
-# header, so code calling it must be compiled with -fopenmp or it runs serially. At run time the process shares
-# the one libgomp.so.1 that libtorch_cpu loads.
-target_compile_options(kernmap_torch_cpu INTERFACE -fopenmp)
-target_link_options(kernmap_torch_cpu INTERFACE -fopenmp)
+kernmap_add_torch_target("${KERNMAP_TORCH_DIR}" "${KERNMAP_TORCH_CXX11_ABI}" GLOBAL)
