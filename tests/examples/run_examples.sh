@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# ctest "examples": the CMake package and the two examples, as a user would use them.
+#   1. cmake --install this build into WORK/prefix, and check the installed CLI runs with no environment;
+#   2. examples/consumer: configure + build against WORK/prefix (find_package(kernmap)), run it (must pass);
+#   3. examples/plugin: configure + build, cmake --install into the repository WORK/repo, check the package
+#      folder and its manifest.json (docs/plugins.md: fields, sha256 of the installed library);
+#   4. tests/examples/plugin_host: load the installed plugin and check its kernels;
+#   5. (hook, after merge) kernmap plan with KERNMAP_PATH=WORK/repo and a mapping file.
+# Ninja, and ccache when present; WORK is emptied first and left behind for inspection.
+set -euo pipefail
+
+usage() { echo "usage: run_examples.sh --source DIR --build DIR --work DIR --cmake CMAKE --python PYTHON" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --source) src="$2"; shift 2 ;;
+    --build) build="$2"; shift 2 ;;
+    --work) work="$2"; shift 2 ;;
+    --cmake) cmake="$2"; shift 2 ;;
+    --python) python="$2"; shift 2 ;;
+    *) usage ;;
+  esac
+done
+[ -n "${src:-}" ] && [ -n "${build:-}" ] && [ -n "${work:-}" ] && [ -n "${cmake:-}" ] && [ -n "${python:-}" ] || usage
+
+step() { printf '\n== %s (%ds)\n' "$*" "$SECONDS"; }
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+rm -rf "$work"
+mkdir -p "$work"
+prefix="$work/prefix"
+repo="$work/repo"
+configure_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix")
+if command -v ccache >/dev/null; then configure_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+
+step "install kernmap into $prefix"
+"$cmake" --install "$build" --prefix "$prefix" >"$work/install.log" || { cat "$work/install.log"; fail "cmake --install"; }
+for f in include/kernmap/layers.h include/kernmap/plugin.h lib/libkernmap.so lib/libkernmap_models.so \
+         lib/libkernmap_train.so bin/kernmap lib/cmake/kernmap/kernmapConfig.cmake \
+         lib/cmake/kernmap/kernmapConfigVersion.cmake lib/cmake/kernmap/kernmapTargets.cmake; do
+  [ -e "$prefix/$f" ] || fail "the install has no $f"
+done
+# The installed CLI finds libkernmap and torch through its RPATH alone.
+env -i PATH=/usr/bin:/bin "$prefix/bin/kernmap" kernels >"$work/kernels.txt" 2>&1 ||
+  { cat "$work/kernels.txt"; fail "the installed bin/kernmap does not run without an environment"; }
+grep -q 'kernmap/rms_norm' "$work/kernels.txt" || fail "installed 'kernmap kernels' does not list kernmap/rms_norm"
+echo "installed: headers, libraries, bin/kernmap (runs), lib/cmake/kernmap"
+
+step "examples/consumer: configure, build, run"
+"$cmake" -S "$src/examples/consumer" -B "$work/consumer" "${configure_args[@]}" >"$work/consumer-configure.log" ||
+  { cat "$work/consumer-configure.log"; fail "configuring examples/consumer"; }
+"$cmake" --build "$work/consumer" || fail "building examples/consumer"
+"$work/consumer/consumer" || fail "examples/consumer exited with status $?"
+
+step "examples/plugin: configure, build, install into the repository $repo"
+"$cmake" -S "$src/examples/plugin" -B "$work/plugin" "${configure_args[@]}" >"$work/plugin-configure.log" ||
+  { cat "$work/plugin-configure.log"; fail "configuring examples/plugin"; }
+"$cmake" --build "$work/plugin" || fail "building examples/plugin"
+"$cmake" --install "$work/plugin" --prefix "$repo" || fail "installing examples/plugin"
+
+step "check the package folder $repo/kmexample"
+"$python" - "$repo/kmexample" "$prefix/include/kernmap/plugin.h" <<'PY'
+import hashlib, json, os, platform, re, sys
+package, plugin_h = sys.argv[1], sys.argv[2]
+files = sorted(os.path.relpath(os.path.join(d, f), package) for d, _, fs in os.walk(package) for f in fs)
+assert files == ["lib/libkmexample.so", "manifest.json"], f"package folder holds {files}"
+with open(os.path.join(package, "manifest.json")) as f:
+    m = json.load(f)
+assert set(m) == {"name", "version", "plugin_abi", "description", "variants"}, f"manifest fields: {sorted(m)}"
+assert m["name"] == "kmexample" and m["version"] == "0.1.0", (m["name"], m["version"])
+abi = int(re.search(r"#define KERNMAP_PLUGIN_ABI_VERSION (\d+)", open(plugin_h).read()).group(1))
+assert m["plugin_abi"] == abi and type(m["plugin_abi"]) is int, f"plugin_abi {m['plugin_abi']!r}, header {abi}"
+assert isinstance(m["variants"], list) and len(m["variants"]) == 1, m["variants"]
+v = m["variants"][0]
+assert set(v) == {"library", "sha256", "torch", "cxx11_abi", "arch", "os", "toolkits"}, f"variant fields {sorted(v)}"
+assert v["library"] == "lib/libkmexample.so", v["library"]
+with open(os.path.join(package, v["library"]), "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+assert re.fullmatch(r"[0-9a-f]{64}", v["sha256"]) and v["sha256"] == digest, f"sha256 {v['sha256']} != file {digest}"
+import torch
+assert v["torch"] == ".".join(torch.__version__.split(".")[:2]), f"torch {v['torch']} vs {torch.__version__}"
+assert v["cxx11_abi"] is bool(torch.compiled_with_cxx11_abi()), v["cxx11_abi"]
+assert v["arch"] == platform.machine() and v["os"] == "linux" and v["toolkits"] == {}, v
+print(f"manifest.json: {m['name']} {m['version']}, plugin_abi {abi}, torch {v['torch']}, sha256 {digest[:16]}... matches")
+PY
+# The plugin reaches kernmap only through the host struct: it must not link libkernmap.
+if readelf -d "$repo/kmexample/lib/libkmexample.so" | grep -q 'libkernmap'; then fail "libkmexample.so links libkernmap"; fi
+for sym in kernmap_plugin_abi_version kernmap_plugin_score kernmap_plugin_register; do
+  nm -D --defined-only "$repo/kmexample/lib/libkmexample.so" | grep -qw "$sym" || fail "libkmexample.so does not export $sym"
+done
+
+step "tests/examples/plugin_host: load the installed plugin and check its kernels"
+"$cmake" -S "$src/tests/examples/plugin_host" -B "$work/plugin_host" "${configure_args[@]}" >"$work/plugin_host-configure.log" ||
+  { cat "$work/plugin_host-configure.log"; fail "configuring tests/examples/plugin_host"; }
+"$cmake" --build "$work/plugin_host" || fail "building tests/examples/plugin_host"
+"$work/plugin_host/plugin_host" "$repo/kmexample" || fail "plugin_host"
+
+# ---- HOOK (lead, after merging the plugins and mapping-files branches) --------------------------------------
+# kernmap loads the repository through KERNMAP_PATH and a mapping file selects the plugin's CPU kernel; plan
+# must show kmexample/rms_norm for every RMSNorm. The mapping below is written in the C API's JSON shape
+# (include/kernmap/c_api.h); adjust it to the mapping-file format if that differs.
+cat >"$work/mapping.json" <<'JSON'
+{"RMSNorm": {"cpu": {"training": "kmexample/rms_norm", "inference": "kmexample/rms_norm"}}}
+JSON
+# step "kernmap plan with KERNMAP_PATH=$repo and --mapping $work/mapping.json"
+# KERNMAP_PATH="$repo" "$prefix/bin/kernmap" plan --preset qwen2-tiny --mapping "$work/mapping.json" | tee "$work/plan.txt"
+# grep -q 'kmexample/rms_norm' "$work/plan.txt" || fail "kernmap plan does not choose kmexample/rms_norm"
+# ---- end of HOOK ---------------------------------------------------------------------------------------------
+
+step "PASS"
