@@ -2,10 +2,11 @@
 # ctest "examples": the CMake package and the two examples, as a user would use them.
 #   1. cmake --install this build into WORK/prefix, and check the installed CLI runs with no environment;
 #   2. examples/consumer: configure + build against WORK/prefix (find_package(kernmap)), run it (must pass);
-#   3. examples/plugin: configure + build, cmake --install into the repository WORK/repo, check the package
+#   3. find_package(kernmap) with a KERNMAP_TORCH_DIR that is not torch, or another torch: a clear error;
+#   4. examples/plugin: configure + build, cmake --install into the repository WORK/repo, check the package
 #      folder and its manifest.json (docs/plugins.md: fields, sha256 of the installed library);
-#   4. tests/examples/plugin_host: load the installed plugin and check its kernels;
-#   5. (hook, after merge) kernmap plan with KERNMAP_PATH=WORK/repo and a mapping file.
+#   5. tests/examples/plugin_host: load the installed plugin and check its kernels;
+#   6. (hook, after merge) kernmap plan with KERNMAP_PATH=WORK/repo and a mapping file.
 # Ninja, and ccache when present; WORK is emptied first and left behind for inspection.
 set -euo pipefail
 
@@ -51,8 +52,32 @@ step "examples/consumer: configure, build, run"
 "$cmake" --build "$work/consumer" || fail "building examples/consumer"
 "$work/consumer/consumer" || fail "examples/consumer exited with status $?"
 
-step "examples/plugin: configure, build, install into the repository $repo"
-"$cmake" -S "$src/examples/plugin" -B "$work/plugin" "${configure_args[@]}" >"$work/plugin-configure.log" ||
+step "find_package(kernmap) refuses a torch it cannot use, naming KERNMAP_TORCH_DIR"
+# A folder that is not torch, and one that is another torch version (the files kernmapConfig.cmake looks at).
+fake="$work/torch-2.99"
+mkdir -p "$fake/lib" "$fake/include/ATen" "$fake/include/torch/csrc/api/include/torch" "$fake/include/torch/headeronly"
+touch "$fake/lib/libtorch_cpu.so" "$fake/lib/libc10.so" "$fake/include/ATen/ATen.h" \
+      "$fake/include/torch/csrc/api/include/torch/version.h"
+printf '#define TORCH_VERSION_MAJOR 2\n#define TORCH_VERSION_MINOR 99\n#define TORCH_VERSION_PATCH 0\n' \
+  >"$fake/include/torch/headeronly/version.h"
+for case in "$work/no-torch|$work/no-torch/lib/libtorch_cpu.so does not exist" \
+            "$fake|it is torch 2.99.0, kernmap was built against torch"; do
+  dir="${case%%|*}" expected="${case#*|}"
+  if "$cmake" -S "$src/examples/consumer" -B "$work/refused" "${configure_args[@]}" -DKERNMAP_TORCH_DIR="$dir" \
+       >"$work/refused.log" 2>&1; then
+    fail "configuring with KERNMAP_TORCH_DIR=$dir succeeded"
+  fi
+  # CMake wraps the message: compare with the line breaks and indentation removed.
+  tr -s ' \n' ' ' <"$work/refused.log" | grep -qF -- "KERNMAP_TORCH_DIR ($dir) cannot be used: ${expected}" ||
+    { cat "$work/refused.log"; fail "configuring with KERNMAP_TORCH_DIR=$dir: not the expected error"; }
+  rm -rf "$work/refused"
+  echo "refused KERNMAP_TORCH_DIR=$dir: $expected"
+done
+
+step "examples/plugin: configure (KERNMAP_TORCH_DIR given), build, install into the repository $repo"
+torch_dir="$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
+"$cmake" -S "$src/examples/plugin" -B "$work/plugin" "${configure_args[@]}" -DKERNMAP_TORCH_DIR="$torch_dir" \
+  >"$work/plugin-configure.log" ||
   { cat "$work/plugin-configure.log"; fail "configuring examples/plugin"; }
 "$cmake" --build "$work/plugin" || fail "building examples/plugin"
 "$cmake" --install "$work/plugin" --prefix "$repo" || fail "installing examples/plugin"
