@@ -1,7 +1,8 @@
 // A LibTorch program using kernmap: a small block made of kernmap's RMSNorm and GatedMLP layers is kernelized
 // for CPU training; the program prints which kernel each layer got and why, then runs forward + backward with
 // those kernels and again with the reference kernels (the transformers eager math) on the same weights and
-// input, and compares outputs and gradients. Exit status: 0 when they agree, 1 when they do not, 2 on an error.
+// input, and compares outputs and gradients. Exit status: 0 when they agree, 1 when they do not, 2 on an
+// error.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 

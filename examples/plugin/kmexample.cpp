@@ -1,7 +1,7 @@
 // kmexample: an out-of-tree kernmap plugin (include/kernmap/plugin.h). It brings two RMSNorm kernels:
 //
-//   kmexample/rms_norm      CPU, op kmexample::rms_norm: one pass per row with fp32 accumulation (fp64 for
-//                           fp64), rows in parallel; backward in ATen ops. An alternative to kernmap/rms_norm,
+//   kmexample/rms_norm      CPU, op kmexample::rms_norm: a loop over rows in parallel, fp32 accumulation
+//                           (fp64 for fp64); backward in ATen ops. An alternative to kernmap/rms_norm,
 //                           chosen when a mapping names it.
 //   kmexample/rms_norm_npu  device "npu", op kmexample::npu_rms_norm, registered for torch's PrivateUse1 key
 //                           (the key an out-of-tree backend such as torch_npu runs under). Its body is ATen
@@ -11,9 +11,9 @@
 // Both compute the transformers eager RMSNorm: y = weight * to(x.dtype)(h * rsqrt(mean(h^2, -1) + eps)) with
 // h = x in fp32 (fp64 for fp64 x), the weight multiply in the promoted dtype of (weight, x).
 //
-// Nothing runs at load time: the torch ops are registered in kernmap_plugin_register, after kernmap checked the
-// ABI version, through torch::Library objects that live in a function-local static until the process ends.
-// The plugin does not link libkernmap; it reaches kernmap only through the host struct it is given.
+// Nothing runs at load time: the torch ops are registered in kernmap_plugin_register, after kernmap checked
+// the ABI version, through torch::Library objects that live in a function-local static until the process
+// ends. The plugin does not link libkernmap; it reaches kernmap only through the host struct it is given.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -23,6 +23,7 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
@@ -38,7 +39,8 @@ namespace {
 
 // The checks both ops share; errors name the op, the argument, what it must be and what it is.
 void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), op, ": x must be a floating tensor, got ", x.scalar_type());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), op, ": x must be a floating tensor, got ",
+              x.scalar_type());
   TORCH_CHECK(at::isFloatingType(weight.scalar_type()), op, ": weight must be a floating tensor, got ",
               weight.scalar_type());
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension [..., H], got a 0-d tensor");
@@ -50,7 +52,9 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
 }
 
 // fp32 for fp32/bf16/fp16, fp64 for fp64.
-at::ScalarType accumulation_type(const at::Tensor& x) { return at::promote_types(at::kFloat, x.scalar_type()); }
+at::ScalarType accumulation_type(const at::Tensor& x) {
+  return at::promote_types(at::kFloat, x.scalar_type());
+}
 
 // CPU: each row in one pass over x for the sum of squares and one to scale it, accumulating in fp32.
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -66,14 +70,15 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
     scalar_t* dst = normalized.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, rows, /*grain_size=*/std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1)),
                      [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* row = src + r * hidden;
-        acc_t sum_squares = 0;
-        for (int64_t i = 0; i < hidden; ++i) sum_squares += acc_t(row[i]) * acc_t(row[i]);
-        const acc_t inv_rms = acc_t(1) / std::sqrt(sum_squares / acc_t(hidden) + acc_t(eps));
-        for (int64_t i = 0; i < hidden; ++i) dst[r * hidden + i] = static_cast<scalar_t>(acc_t(row[i]) * inv_rms);
-      }
-    });
+                       for (int64_t r = begin; r < end; ++r) {
+                         const scalar_t* row = src + r * hidden;
+                         acc_t sum_squares = 0;
+                         for (int64_t i = 0; i < hidden; ++i) sum_squares += acc_t(row[i]) * acc_t(row[i]);
+                         const acc_t inv_rms = acc_t(1) / std::sqrt(sum_squares / acc_t(hidden) + acc_t(eps));
+                         for (int64_t i = 0; i < hidden; ++i)
+                           dst[r * hidden + i] = static_cast<scalar_t>(acc_t(row[i]) * inv_rms);
+                       }
+                     });
   });
   // After the cast back to x's dtype, in the promoted dtype of (weight, x): transformers' order.
   return weight * normalized;
@@ -128,7 +133,8 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 };
 
 at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("kmexample::rms_norm", "");
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kmexample::rms_norm", "");
   return RmsNormFunction::apply(&op, x, weight, eps);
 }
 
@@ -146,7 +152,8 @@ at::Tensor npu_rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, 
 struct TorchOps {
   torch::Library schemas{torch::Library::DEF, "kmexample", std::nullopt, __FILE__, __LINE__};
   torch::Library cpu{torch::Library::IMPL, "kmexample", c10::DispatchKey::CPU, __FILE__, __LINE__};
-  torch::Library privateuse1{torch::Library::IMPL, "kmexample", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__};
+  torch::Library privateuse1{torch::Library::IMPL, "kmexample", c10::DispatchKey::PrivateUse1, __FILE__,
+                             __LINE__};
   torch::Library autograd{torch::Library::IMPL, "kmexample", c10::DispatchKey::Autograd, __FILE__, __LINE__};
 
   TorchOps() {
@@ -160,7 +167,9 @@ struct TorchOps {
   }
 };
 
-void register_torch_ops() { static TorchOps ops; }
+void register_torch_ops() {
+  static TorchOps ops;
+}
 
 // The descriptors, as kernmap_register_kernel takes them (include/kernmap/c_api.h). No supports() callback:
 // the ops check their inputs themselves (TORCH_CHECK, errors naming the argument).
@@ -170,7 +179,7 @@ constexpr const char* kKernels[] = {
     R"json({"name": "kmexample/rms_norm", "layer": "RMSNorm", "devices": ["cpu"],
         "dtypes": ["float32", "bfloat16", "float16", "float64"], "has_backward": true, "compile_safe": false,
         "deterministic": false, "op": "kmexample::rms_norm",
-        "description": "example plugin: RMSNorm in one pass per row, fp32 accumulation"})json",
+        "description": "example plugin: RMSNorm row by row, fp32 accumulation"})json",
     R"json({"name": "kmexample/rms_norm_npu", "layer": "RMSNorm", "devices": ["npu"],
         "dtypes": ["float32", "bfloat16", "float16"], "has_backward": true, "compile_safe": false,
         "deterministic": false, "op": "kmexample::npu_rms_norm",
@@ -209,11 +218,14 @@ std::string host_error(const kernmap_plugin_host* host, const char* what, char* 
 
 }  // namespace
 
-KERNMAP_PLUGIN_EXPORT uint32_t kernmap_plugin_abi_version(void) { return KERNMAP_PLUGIN_ABI_VERSION; }
+KERNMAP_PLUGIN_EXPORT uint32_t kernmap_plugin_abi_version(void) {
+  return KERNMAP_PLUGIN_ABI_VERSION;
+}
 
 // Suitable when the host runs the torch major.minor this plugin was compiled against: the ops' C++ types are
 // torch's, whose ABI is not stable across minor versions.
-KERNMAP_PLUGIN_EXPORT int kernmap_plugin_score(const kernmap_plugin_host* host, char* reason, size_t capacity) {
+KERNMAP_PLUGIN_EXPORT int kernmap_plugin_score(const kernmap_plugin_host* host, char* reason,
+                                               size_t capacity) {
   const std::string built = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
   const std::string running = host != nullptr && host->torch_version != nullptr ? host->torch_version : "";
   if (running != built && running.rfind(built + ".", 0) != 0) {
@@ -225,7 +237,8 @@ KERNMAP_PLUGIN_EXPORT int kernmap_plugin_score(const kernmap_plugin_host* host, 
   return 1;
 }
 
-KERNMAP_PLUGIN_EXPORT int kernmap_plugin_register(const kernmap_plugin_host* host, char* error, size_t capacity) {
+KERNMAP_PLUGIN_EXPORT int kernmap_plugin_register(const kernmap_plugin_host* host, char* error,
+                                                  size_t capacity) {
   try {
     std::string why;
     if (!host_is_usable(host, why)) {
@@ -235,7 +248,8 @@ KERNMAP_PLUGIN_EXPORT int kernmap_plugin_register(const kernmap_plugin_host* hos
     register_torch_ops();
     for (const char* descriptor : kKernels) {
       char* host_message = nullptr;
-      if (host->register_kernel(descriptor, /*supports=*/nullptr, /*user_data=*/nullptr, &host_message) != 0) {
+      if (host->register_kernel(descriptor, /*supports=*/nullptr, /*user_data=*/nullptr, &host_message) !=
+          0) {
         write_message(error, capacity, host_error(host, "registering a kernel", host_message));
         return 1;
       }

@@ -2,8 +2,8 @@
 // first, score, register through a host struct wired to kernmap's C API — and checks what it brings: its two
 // kernel descriptors and default mapping, an RMSNorm layer kernelized onto kmexample/rms_norm matching the
 // reference forward and backward (fp32, bf16, fp64), the npu op registered for PrivateUse1 only, bad input
-// refused with a clear error, and a second registration refused. It stands in for kernmap's loader so that the
-// plugin is exercised on its own; usage: plugin_host PACKAGE_DIR. Exit status 0 when every check passes.
+// refused with a clear error, and a second registration refused. It stands in for kernmap's loader so that
+// the plugin is exercised on its own; usage: plugin_host PACKAGE_DIR. Exit status 0 when every check passes.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <dlfcn.h>
@@ -30,10 +30,13 @@ void check(bool ok, const std::string& what) {
   if (!ok) ++failures;
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 // Compares in fp64; prints the largest difference.
-bool close(const at::Tensor& actual, const at::Tensor& expected, double rtol, double atol, std::string& detail) {
+bool close(const at::Tensor& actual, const at::Tensor& expected, double rtol, double atol,
+           std::string& detail) {
   if (actual.sizes() != expected.sizes() || actual.scalar_type() != expected.scalar_type()) {
     detail = "shape/dtype " + std::string(c10::toString(actual.scalar_type())) + " vs " +
              c10::toString(expected.scalar_type());
@@ -99,7 +102,8 @@ int run(const std::string& package_dir) {
     std::printf("FAIL  dlopen %s: %s\n", library.c_str(), dlerror());
     return 1;
   }
-  auto abi = reinterpret_cast<kernmap_plugin_abi_version_fn>(dlsym(handle, KERNMAP_PLUGIN_ABI_VERSION_SYMBOL));
+  auto abi =
+      reinterpret_cast<kernmap_plugin_abi_version_fn>(dlsym(handle, KERNMAP_PLUGIN_ABI_VERSION_SYMBOL));
   auto score = reinterpret_cast<kernmap_plugin_score_fn>(dlsym(handle, KERNMAP_PLUGIN_SCORE_SYMBOL));
   auto reg = reinterpret_cast<kernmap_plugin_register_fn>(dlsym(handle, KERNMAP_PLUGIN_REGISTER_SYMBOL));
   check(abi != nullptr && reg != nullptr && score != nullptr, "the plugin exports its three entry points");
@@ -181,8 +185,8 @@ int run(const std::string& package_dir) {
   check(contains(bad, "weight must have shape [8]") && contains(bad, "[7]"),
         "a weight of the wrong size is refused: " + bad.substr(0, bad.find('\n')));
   const std::string bad_eps = error_of([&] { op.call(at::ones({2, 8}), at::ones({8}), -1.0); });
-  check(contains(bad_eps, "eps must be finite and >= 0"), "a negative eps is refused: " +
-                                                               bad_eps.substr(0, bad_eps.find('\n')));
+  check(contains(bad_eps, "eps must be finite and >= 0"),
+        "a negative eps is refused: " + bad_eps.substr(0, bad_eps.find('\n')));
   check(op.call(at::ones({0, 8}), at::ones({8}), 1e-6).sizes() == at::IntArrayRef({0, 8}),
         "no rows: an empty output");
 
