@@ -107,6 +107,12 @@ assert v["cxx11_abi"] is bool(torch.compiled_with_cxx11_abi()), v["cxx11_abi"]
 assert v["arch"] == platform.machine() and v["os"] == "linux" and v["toolkits"] == {}, v
 print(f"manifest.json: {m['name']} {m['version']}, plugin_abi {abi}, torch {v['torch']}, sha256 {digest[:16]}... matches")
 PY
+# A staged install (DESTDIR) writes the manifest into the staging folder, with the staged library's sha256.
+DESTDIR="$work/staged" "$cmake" --install "$work/plugin" --prefix /opt/kernels >/dev/null || fail "staged install"
+staged="$work/staged/opt/kernels/kmexample"
+[ -f "$staged/manifest.json" ] || fail "DESTDIR install: no $staged/manifest.json"
+grep -q "\"sha256\": \"$(sha256sum "$staged/lib/libkmexample.so" | cut -d' ' -f1)\"" "$staged/manifest.json" ||
+  fail "DESTDIR install: the manifest's sha256 is not the staged library's"
 # The plugin reaches kernmap only through the host struct: it must not link libkernmap.
 if readelf -d "$repo/kmexample/lib/libkmexample.so" | grep -q 'libkernmap'; then fail "libkmexample.so links libkernmap"; fi
 for sym in kernmap_plugin_abi_version kernmap_plugin_score kernmap_plugin_register; do
