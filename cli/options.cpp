@@ -31,7 +31,8 @@ int apply_mapping_options(const std::string& command, std::vector<std::string>& 
     try {
       register_mapping_file(file);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "kernmap %s: %s\n", command.c_str(), e.what());  // the message starts with the file
+      std::fprintf(stderr, "kernmap %s: %s\n", command.c_str(),
+                   e.what());  // the message starts with the file
       return 2;
     }
   }

@@ -1,5 +1,5 @@
-// Mapping files against the registry: the names a parsed file uses are checked when it is applied, each problem
-// reported at the location of the entry that has it.
+// Mapping files against the registry: the names a parsed file uses are checked when it is applied, each
+// problem reported at the location of the entry that has it.
 #include "kernmap/mapping_file.h"
 
 #include <set>
@@ -17,9 +17,10 @@ namespace mf = mapping_file;
 
 // torch's device type names (c10/core/DeviceType.h, as torch.device spells them) and the names devices go by
 // in the Hugging Face `kernels` library and torch's PrivateUse1 backends.
-const std::set<std::string> kTorchDevices = {
-    "cpu",  "cuda", "mkldnn", "opengl", "opencl", "ideep", "hip",  "ve",   "fpga", "maia", "xla", "vulkan",
-    "metal", "xpu", "mps",    "meta",   "hpu",    "lazy",  "ipu",  "mtia", "privateuseone", "npu", "rocm"};
+const std::set<std::string> kTorchDevices = {"cpu",   "cuda", "mkldnn",        "opengl", "opencl", "ideep",
+                                             "hip",   "ve",   "fpga",          "maia",   "xla",    "vulkan",
+                                             "metal", "xpu",  "mps",           "meta",   "hpu",    "lazy",
+                                             "ipu",   "mtia", "privateuseone", "npu",    "rocm"};
 
 std::string join(const std::set<std::string>& names) {
   std::string out;
@@ -73,8 +74,8 @@ Mapping validate(const mf::ParsedMapping& file) {
     for (const mf::DeviceEntry& device : layer.devices) {
       if (devices.count(device.device) == 0) {
         report(device.at, {layer.layer, device.device},
-               "unknown device '" + device.device + "' for layer '" + layer.layer + "' (known: " + join(devices) +
-                   ")");
+               "unknown device '" + device.device + "' for layer '" + layer.layer +
+                   "' (known: " + join(devices) + ")");
         continue;
       }
       auto& by_mode = by_device[device.device];
@@ -95,20 +96,21 @@ Mapping validate(const mf::ParsedMapping& file) {
         const KernelDescriptor* kernel = find_kernel(entry.kernel);
         if (kernel == nullptr) {
           report(entry.kernel_at, keys,
-                 "unknown " + what + " (registered kernels of layer '" + layer.layer + "': " +
-                     kernels_of(layer.layer) + ")");
+                 "unknown " + what + " (registered kernels of layer '" + layer.layer +
+                     "': " + kernels_of(layer.layer) + ")");
           continue;
         }
         if (kernel->layer != layer.layer) {
           report(entry.kernel_at, keys,
                  what + " implements layer '" + kernel->layer + "', not '" + layer.layer +
-                     "' (registered kernels of layer '" + layer.layer + "': " + kernels_of(layer.layer) + ")");
+                     "' (registered kernels of layer '" + layer.layer + "': " + kernels_of(layer.layer) +
+                     ")");
           continue;
         }
         if (!runs_on(*kernel, device.device)) {
           std::set<std::string> its(kernel->devices.begin(), kernel->devices.end());
-          report(entry.kernel_at, keys, what + " does not run on '" + device.device + "' (its devices: " +
-                                            join(its) + ")");
+          report(entry.kernel_at, keys,
+                 what + " does not run on '" + device.device + "' (its devices: " + join(its) + ")");
           continue;
         }
         by_mode[mode] = entry.kernel;
@@ -141,6 +143,8 @@ Mapping load_mapping_file(const std::string& path) {
   return validate(parsed);
 }
 
-void register_mapping_file(const std::string& path) { register_mapping(load_mapping_file(path)); }
+void register_mapping_file(const std::string& path) {
+  register_mapping(load_mapping_file(path));
+}
 
 }  // namespace kernmap

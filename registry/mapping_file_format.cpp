@@ -55,8 +55,8 @@ std::string json_pointer(const std::vector<std::string>& keys) {
   return out;
 }
 
-// Builds a Node tree from nlohmann's SAX events, refusing duplicate keys and deep or huge documents as they are
-// read. Array elements are kept (keyed by index) only so that nesting inside them is counted.
+// Builds a Node tree from nlohmann's SAX events, refusing duplicate keys and deep or huge documents as they
+// are read. Array elements are kept (keyed by index) only so that nesting inside them is counted.
 class JsonBuilder {
  public:
   using json = nlohmann::json;
@@ -70,7 +70,9 @@ class JsonBuilder {
   bool boolean(bool v) { return leaf(Node::Kind::kBoolean, v ? "true" : "false"); }
   bool number_integer(json::number_integer_t v) { return leaf(Node::Kind::kInteger, std::to_string(v)); }
   bool number_unsigned(json::number_unsigned_t v) { return leaf(Node::Kind::kInteger, std::to_string(v)); }
-  bool number_float(json::number_float_t, const json::string_t& text) { return leaf(Node::Kind::kFloat, text); }
+  bool number_float(json::number_float_t, const json::string_t& text) {
+    return leaf(Node::Kind::kFloat, text);
+  }
   bool string(json::string_t& v) { return leaf(Node::Kind::kString, v); }
   bool binary(json::binary_t&) { return leaf(Node::Kind::kNull, ""); }  // not produced by the JSON reader
 
@@ -111,12 +113,14 @@ class JsonBuilder {
       return root.get();
     }
     Node* parent = stack_.back();
-    std::string key = parent->kind == Node::Kind::kArray ? std::to_string(parent->items.size()) : pending_key_;
+    std::string key =
+        parent->kind == Node::Kind::kArray ? std::to_string(parent->items.size()) : pending_key_;
     return parent->add(std::move(key), std::move(node));
   }
 
   bool leaf(Node::Kind kind, std::string text) {
-    if (++values_ > kMaxValues) return refuse("more than " + std::to_string(kMaxValues) + " values in one file");
+    if (++values_ > kMaxValues)
+      return refuse("more than " + std::to_string(kMaxValues) + " values in one file");
     auto node = std::make_unique<Node>();
     node->kind = kind;
     node->text = std::move(text);
@@ -127,12 +131,14 @@ class JsonBuilder {
   bool open(Node::Kind kind) {
     if (!stack_.empty()) {
       const Node* parent = stack_.back();
-      path_.push_back(parent->kind == Node::Kind::kArray ? std::to_string(parent->items.size()) : pending_key_);
+      path_.push_back(parent->kind == Node::Kind::kArray ? std::to_string(parent->items.size())
+                                                         : pending_key_);
     }
     if (static_cast<int>(stack_.size()) >= kMaxDepth) {
       return refuse("nested deeper than " + std::to_string(kMaxDepth) + " levels");
     }
-    if (++values_ > kMaxValues) return refuse("more than " + std::to_string(kMaxValues) + " values in one file");
+    if (++values_ > kMaxValues)
+      return refuse("more than " + std::to_string(kMaxValues) + " values in one file");
     auto node = std::make_unique<Node>();
     node->kind = kind;
     stack_.push_back(place(std::move(node)));
@@ -178,9 +184,11 @@ std::unique_ptr<Node> parse_json(std::string_view text, const std::string& name)
   // nlohmann reports the offset just past the offending character.
   const Location at = location_of(text, builder.syntax_error_at == 0 ? 0 : builder.syntax_error_at - 1);
   std::string message = builder.syntax_error;
-  // "[json.exception.parse_error.101] parse error at line 1, column 5: syntax error ..." -> "syntax error ..."
+  // "[json.exception.parse_error.101] parse error at line 1, column 5: syntax error ..." -> "syntax error
+  // ..."
   if (const auto colon = message.find(": "); colon != std::string::npos) message = message.substr(colon + 2);
-  throw Error(name + ":" + std::to_string(at.line) + ":" + std::to_string(at.column) + ": invalid JSON: " + message);
+  throw Error(name + ":" + std::to_string(at.line) + ":" + std::to_string(at.column) +
+              ": invalid JSON: " + message);
 }
 
 std::string ParsedMapping::where(Location at, const std::vector<std::string>& keys) const {
@@ -197,8 +205,9 @@ class ShapeChecker {
 
   void document(const Node& root) {
     if (root.kind != Node::Kind::kTable) {
-      fail(root.value_at, {}, "expected " + table_word() + " {layer: {device: ...}} at the top level, got " +
-                                  kind_word(root.kind));
+      fail(root.value_at, {},
+           "expected " + table_word() + " {layer: {device: ...}} at the top level, got " +
+               kind_word(root.kind));
     }
     for (const auto& [name, node] : root.items) {
       if (name == kVersionKey) {
@@ -210,7 +219,8 @@ class ShapeChecker {
   }
 
  private:
-  [[noreturn]] void fail(Location at, const std::vector<std::string>& keys, const std::string& problem) const {
+  [[noreturn]] void fail(Location at, const std::vector<std::string>& keys,
+                         const std::string& problem) const {
     throw Error(out_.where(at, keys) + ": " + problem);
   }
 
@@ -219,21 +229,29 @@ class ShapeChecker {
 
   std::string kind_word(Node::Kind kind) const {
     switch (kind) {
-      case Node::Kind::kTable: return toml() ? "a table" : "an object";
-      case Node::Kind::kString: return "a string";
-      case Node::Kind::kInteger: return toml() ? "an integer" : "a number";
-      case Node::Kind::kFloat: return toml() ? "a float" : "a number";
-      case Node::Kind::kBoolean: return "a boolean";
-      case Node::Kind::kNull: return "null";
-      case Node::Kind::kArray: return "an array";
+      case Node::Kind::kTable:
+        return toml() ? "a table" : "an object";
+      case Node::Kind::kString:
+        return "a string";
+      case Node::Kind::kInteger:
+        return toml() ? "an integer" : "a number";
+      case Node::Kind::kFloat:
+        return toml() ? "a float" : "a number";
+      case Node::Kind::kBoolean:
+        return "a boolean";
+      case Node::Kind::kNull:
+        return "null";
+      case Node::Kind::kArray:
+        return "an array";
     }
     return "a value";
   }
 
   void version(const Node& node) {
     if (node.kind != Node::Kind::kInteger) {
-      fail(node.value_at, {kVersionKey}, std::string(kVersionKey) + " must be an integer (the format version, " +
-                                             std::to_string(kVersion) + "), got " + kind_word(node.kind));
+      fail(node.value_at, {kVersionKey},
+           std::string(kVersionKey) + " must be an integer (the format version, " + std::to_string(kVersion) +
+               "), got " + kind_word(node.kind));
     }
     if (node.text != std::to_string(kVersion)) {
       fail(node.value_at, {kVersionKey},
@@ -244,12 +262,13 @@ class ShapeChecker {
 
   void layer(const std::string& name, const Node& node) {
     if (node.kind != Node::Kind::kTable) {
-      fail(node.value_at, {name}, "layer '" + name + "' must map to " + table_word() +
-                                      " of devices ({device: kernel} or {device: {mode: kernel}}), got " +
-                                      kind_word(node.kind));
+      fail(node.value_at, {name},
+           "layer '" + name + "' must map to " + table_word() +
+               " of devices ({device: kernel} or {device: {mode: kernel}}), got " + kind_word(node.kind));
     }
     LayerEntry entry{name, node.key_at, {}};
-    for (const auto& [device_name, device] : node.items) entry.devices.push_back(this->device(name, device_name, *device));
+    for (const auto& [device_name, device] : node.items)
+      entry.devices.push_back(this->device(name, device_name, *device));
     out_.layers.push_back(std::move(entry));
   }
 
@@ -260,9 +279,9 @@ class ShapeChecker {
       return entry;
     }
     if (node.kind != Node::Kind::kTable) {
-      fail(node.value_at, {layer, name}, "device '" + name + "' of layer '" + layer +
-                                             "' must map to a kernel name (a string) or " + table_word() +
-                                             " {mode: kernel}, got " + kind_word(node.kind));
+      fail(node.value_at, {layer, name},
+           "device '" + name + "' of layer '" + layer + "' must map to a kernel name (a string) or " +
+               table_word() + " {mode: kernel}, got " + kind_word(node.kind));
     }
     for (const auto& [mode, kernel] : node.items) {
       if (kernel->kind != Node::Kind::kString) {
@@ -288,7 +307,8 @@ ParsedMapping parse_mapping_text(std::string_view text, Format format, const std
     throw Error(name + ": the file is " + std::to_string(text.size()) + " bytes, more than the " +
                 std::to_string(kMaxFileBytes) + "-byte limit for mapping files");
   }
-  const std::unique_ptr<Node> root = format == Format::kToml ? parse_toml(text, name) : parse_json(text, name);
+  const std::unique_ptr<Node> root =
+      format == Format::kToml ? parse_toml(text, name) : parse_json(text, name);
   ShapeChecker(out).document(*root);
   return out;
 }

@@ -21,8 +21,8 @@
 namespace kernmap::mapping_file {
 
 constexpr std::size_t kMaxFileBytes = 1 << 20;  ///< a mapping file is a few hundred bytes; 1 MiB is generous
-constexpr int kMaxDepth = 16;                    ///< nesting of tables/objects/arrays (the format uses 3)
-constexpr std::size_t kMaxValues = 65536;        ///< values (tables included) in one document
+constexpr int kMaxDepth = 16;                   ///< nesting of tables/objects/arrays (the format uses 3)
+constexpr std::size_t kMaxValues = 65536;       ///< values (tables included) in one document
 
 /// A problem in a mapping file; what() starts with its location.
 class Error : public std::invalid_argument {
@@ -32,8 +32,8 @@ class Error : public std::invalid_argument {
 
 enum class Format { kJson, kToml };
 
-/// The format from the file name: ".json" or ".toml" (case-insensitive); anything else throws Error naming the
-/// file and the accepted extensions.
+/// The format from the file name: ".json" or ".toml" (case-insensitive); anything else throws Error naming
+/// the file and the accepted extensions.
 Format format_of(const std::string& path);
 
 /// A position in the text; 1-based, columns count UTF-8 characters. {0, 0} when unknown (JSON values).
@@ -50,11 +50,11 @@ struct Node {
 
   Kind kind = Kind::kTable;
   Origin origin = Origin::kValue;
-  std::string text;    ///< a string's value; an integer in decimal
-  Location key_at;     ///< where the key naming this value was written
-  Location value_at;   ///< where the value (or the table header) was written
+  std::string text;   ///< a string's value; an integer in decimal
+  Location key_at;    ///< where the key naming this value was written
+  Location value_at;  ///< where the value (or the table header) was written
   std::vector<std::pair<std::string, std::unique_ptr<Node>>> items;  ///< a table's entries, in file order
-  std::map<std::string, std::size_t> index;                         ///< key -> position in items
+  std::map<std::string, std::size_t> index;                          ///< key -> position in items
 
   /// The entry under key, or nullptr.
   Node* find(const std::string& key) const;
@@ -64,14 +64,15 @@ struct Node {
 
 /// Parses the TOML subset of docs/mapping.md ("Mapping files"). Throws Error "NAME:LINE:COL: problem".
 std::unique_ptr<Node> parse_toml(std::string_view text, const std::string& name);
-/// Parses JSON (RFC 8259; duplicate keys are an error). Throws Error with the line and column of a syntax error.
+/// Parses JSON (RFC 8259; duplicate keys are an error). Throws Error with the line and column of a syntax
+/// error.
 std::unique_ptr<Node> parse_json(std::string_view text, const std::string& name);
 
 /// A kernel named for a (layer, device, mode).
 struct ModeEntry {
-  std::string mode;       ///< as written ("fallback" for the shorthand `device = "kernel"`)
+  std::string mode;  ///< as written ("fallback" for the shorthand `device = "kernel"`)
   std::string kernel;
-  bool shorthand = false; ///< written as `device = "kernel"`
+  bool shorthand = false;  ///< written as `device = "kernel"`
   Location mode_at;
   Location kernel_at;
 };
@@ -105,8 +106,8 @@ constexpr int kVersion = 1;
 /// Parses text in the given format and checks the document's shape. `name` is used in messages.
 ParsedMapping parse_mapping_text(std::string_view text, Format format, const std::string& name);
 
-/// Reads and parses a file (format by extension); refuses files over kMaxFileBytes, directories and unreadable
-/// paths with an Error naming the file.
+/// Reads and parses a file (format by extension); refuses files over kMaxFileBytes, directories and
+/// unreadable paths with an Error naming the file.
 ParsedMapping read_mapping_file(const std::string& path);
 
 }  // namespace kernmap::mapping_file

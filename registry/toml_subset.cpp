@@ -2,8 +2,8 @@
 // [table] and [dotted.table] headers, bare/quoted/dotted keys, basic and literal one-line strings, inline
 // tables, decimal integers and booleans (so that a wrong type is reported as such). Everything else TOML has
 // (arrays, arrays of tables, multi-line strings, floats, dates) is refused with a message that names it, and
-// TOML's rules on defining a key or table once are enforced. Nesting and value counts are bounded, so no input
-// can exhaust the stack or memory.
+// TOML's rules on defining a key or table once are enforced. Nesting and value counts are bounded, so no
+// input can exhaust the stack or memory.
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -286,14 +286,29 @@ class Parser {
     const char c = peek();
     const char* simple = nullptr;
     switch (c) {
-      case 'b': simple = "\b"; break;
-      case 't': simple = "\t"; break;
-      case 'n': simple = "\n"; break;
-      case 'f': simple = "\f"; break;
-      case 'r': simple = "\r"; break;
-      case '"': simple = "\""; break;
-      case '\\': simple = "\\"; break;
-      default: break;
+      case 'b':
+        simple = "\b";
+        break;
+      case 't':
+        simple = "\t";
+        break;
+      case 'n':
+        simple = "\n";
+        break;
+      case 'f':
+        simple = "\f";
+        break;
+      case 'r':
+        simple = "\r";
+        break;
+      case '"':
+        simple = "\"";
+        break;
+      case '\\':
+        simple = "\\";
+        break;
+      default:
+        break;
     }
     if (simple != nullptr) {
       out += simple;
@@ -391,7 +406,8 @@ class Parser {
     bool all_digits = !digits.empty();
     for (char d : digits) all_digits = all_digits && d >= '0' && d <= '9';
     if (all_digits) {
-      if (digits.size() > 1 && digits[0] == '0') fail_at(at, "leading zeros are not allowed in integer " + token);
+      if (digits.size() > 1 && digits[0] == '0')
+        fail_at(at, "leading zeros are not allowed in integer " + token);
       if (digits.size() > 18) fail_at(at, "integer " + token + " is out of range");
       node.kind = Node::Kind::kInteger;
       node.text = token[0] == '+' ? token.substr(1) : token;
@@ -403,7 +419,8 @@ class Parser {
       fail_at(at, "dates and times are not supported in mapping files (" + token + ")");
     }
     if (digits.size() > 1 && digits[0] == '0' && (digits[1] == 'x' || digits[1] == 'o' || digits[1] == 'b')) {
-      fail_at(at, "hexadecimal, octal and binary integers are not supported in mapping files (" + token + ")");
+      fail_at(at,
+              "hexadecimal, octal and binary integers are not supported in mapping files (" + token + ")");
     }
     const bool numeric = !digits.empty() && digits[0] >= '0' && digits[0] <= '9';
     if (digits == "inf" || digits == "nan" || (numeric && token.find_first_of(".eE") != std::string::npos)) {
@@ -413,8 +430,8 @@ class Parser {
       fail_at(at, "underscores in numbers are not supported in mapping files (" + token + ")");
     }
     if (!numeric && token[0] != '+' && token[0] != '-') {
-      fail_at(at, "expected a value, got the bare word '" + token + "' (strings must be in quotes: \"" + token +
-                      "\")");
+      fail_at(at, "expected a value, got the bare word '" + token + "' (strings must be in quotes: \"" +
+                      token + "\")");
     }
     fail_at(at, "invalid value '" + token + "' (a value is a \"string\", a 'string' or an { inline table })");
   }
@@ -465,8 +482,8 @@ class Parser {
 
   // --- statements ---
 
-  // Puts value under `keys` (dotted) in table, whose path (for messages) is `prefix`. Tables on the way may be
-  // created here, or have been created by dotted keys in this same table; nothing else can be extended.
+  // Puts value under `keys` (dotted) in table, whose path (for messages) is `prefix`. Tables on the way may
+  // be created here, or have been created by dotted keys in this same table; nothing else can be extended.
   void insert(Node& table, std::vector<std::string> prefix, const std::vector<KeyPart>& keys,
               std::unique_ptr<Node> value, int depth) {
     if (depth + static_cast<int>(keys.size()) > kMaxDepth) {
@@ -486,8 +503,8 @@ class Parser {
         fail_at(keys[i].at, "key " + display_path(prefix) + " already has a value (at " +
                                 describe_location(next->key_at) + "), so it cannot hold keys");
       } else if (next->origin != Node::Origin::kDotted) {
-        fail_at(keys[i].at, "table " + display_path(prefix) + " is defined at " + describe_location(next->value_at) +
-                                "; keys cannot be added to it from here");
+        fail_at(keys[i].at, "table " + display_path(prefix) + " is defined at " +
+                                describe_location(next->value_at) + "; keys cannot be added to it from here");
       }
       at = next;
     }

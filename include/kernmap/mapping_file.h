@@ -13,8 +13,9 @@
 // {"fallback": kernel}, and an optional top-level `kernmap_mapping = 1` (the format version).
 //
 // Every problem throws MappingFileError whose message starts with the location: "FILE:LINE:COL: problem" for
-// TOML and for JSON syntax errors, "FILE: /Layer/device/mode: problem" (the key path) for JSON entries. Names are
-// checked against the registry when the file is loaded, so load a file after the plugins whose kernels it names.
+// TOML and for JSON syntax errors, "FILE: /Layer/device/mode: problem" (the key path) for JSON entries. Names
+// are checked against the registry when the file is loaded, so load a file after the plugins whose kernels it
+// names.
 #pragma once
 
 #include <stdexcept>
@@ -32,10 +33,10 @@ class MappingFileError : public std::invalid_argument {
 };
 
 /// Reads, parses and validates a mapping file against the registry as it stands: every layer must be known
-/// (have a reference kernel), every device a torch device type or a device some registered kernel names, every
-/// mode one of inference, training, inference+compile, training+compile, fallback, and every kernel registered,
-/// for that layer, and able to run on that device. Returns the mapping, ready for register_mapping or
-/// ScopedMapping. Throws MappingFileError.
+/// (have a reference kernel), every device a torch device type or a device some registered kernel names,
+/// every mode one of inference, training, inference+compile, training+compile, fallback, and every kernel
+/// registered, for that layer, and able to run on that device. Returns the mapping, ready for
+/// register_mapping or ScopedMapping. Throws MappingFileError.
 Mapping load_mapping_file(const std::string& path);
 
 /// load_mapping_file, then register_mapping: the file's entries become user registrations (a (layer, device)
