@@ -70,15 +70,17 @@ class JsonBuilder {
   bool boolean(bool v) { return leaf(Node::Kind::kBoolean, v ? "true" : "false"); }
   bool number_integer(json::number_integer_t v) { return leaf(Node::Kind::kInteger, std::to_string(v)); }
   bool number_unsigned(json::number_unsigned_t v) { return leaf(Node::Kind::kInteger, std::to_string(v)); }
-  bool number_float(json::number_float_t, const json::string_t& text) {
+  bool number_float(json::number_float_t /*value*/, const json::string_t& text) {
     return leaf(Node::Kind::kFloat, text);
   }
   bool string(json::string_t& v) { return leaf(Node::Kind::kString, v); }
-  bool binary(json::binary_t&) { return leaf(Node::Kind::kNull, ""); }  // not produced by the JSON reader
+  bool binary(json::binary_t& /*value*/) {
+    return leaf(Node::Kind::kNull, "");
+  }  // not produced by the JSON reader
 
-  bool start_object(std::size_t) { return open(Node::Kind::kTable); }
+  bool start_object(std::size_t /*elements*/) { return open(Node::Kind::kTable); }
   bool end_object() { return close(); }
-  bool start_array(std::size_t) { return open(Node::Kind::kArray); }
+  bool start_array(std::size_t /*elements*/) { return open(Node::Kind::kArray); }
   bool end_array() { return close(); }
 
   bool key(json::string_t& k) {
@@ -91,7 +93,8 @@ class JsonBuilder {
     return true;
   }
 
-  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& e) {
+  bool parse_error(std::size_t position, const std::string& /*last_token*/,
+                   const nlohmann::detail::exception& e) {
     syntax_error_at = position;
     syntax_error = e.what();
     return false;
