@@ -183,3 +183,14 @@ def test_cli_mapping_without_a_file():
 
 def test_cli_usage_mentions_mapping():
     assert "--mapping FILE" in kernmap_cli("--help").stdout
+
+
+def test_huge_and_deep_files_are_refused_cleanly(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200000 + "]" * 200000)
+    with pytest.raises(kernmap.KernmapError, match=r"deep.json: (/0)+: nested deeper than 16 levels"):
+        kernmap.load_mapping_file(deep)
+    huge = tmp_path / "huge.toml"
+    huge.write_text("# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(kernmap.KernmapError, match="huge.toml: the file is larger than the 1048576-byte limit"):
+        kernmap.load_mapping_file(huge)
