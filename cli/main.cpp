@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 
 namespace {
 
@@ -27,6 +28,9 @@ constexpr const char* kUsage =
     "         [--steps N] [--warmup N]        medians, spread, speedup %, peak memory)\n"
     "  common: --batch-size N --seq-len N --examples N --lr X --weight-decay X --max-grad-norm X --json\n"
     "\n"
+    "every command: --mapping FILE   user mappings from a .json or .toml file (docs/mapping.md), applied\n"
+    "                                in order before the command; repeatable\n"
+    "\n"
     "environment: KERNMAP_DISABLE=all|Layer,...  KERNMAP_LOG=1  "
     "KERNMAP_CPU_ISA=baseline|avx2|avx512|avx512bf16\n";
 
@@ -41,6 +45,8 @@ int main(int argc, char** argv) {
   const std::string command = args[0];
   args.erase(args.begin());
   try {
+    // After plugins are loaded, so that a mapping file can name their kernels.
+    if (const int status = kernmap::cli::apply_mapping_options(command, args); status != 0) return status;
     if (command == "kernels") return kernmap::cli::kernels_command(args);
     if (command == "bench") return kernmap::cli::bench_command(args);
     if (command == "plan") return kernmap::cli::plan_command(args);

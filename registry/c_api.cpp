@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernmap/mapping_file.h"
 #include "kernmap/registry.h"
 
 namespace kernmap {
@@ -179,6 +180,21 @@ int kernmap_register_default_mapping(const char* mapping_json, char** error) {
   return guarded("kernmap_register_default_mapping", error, [&] {
     register_default_mapping(mapping_from_json(
         "register_default_mapping", parse("kernmap_register_default_mapping", "mapping_json", mapping_json)));
+  });
+}
+
+int kernmap_load_mapping_file(const char* path, char** mapping_json, char** error) {
+  return guarded("kernmap_load_mapping_file", error, [&] {
+    if (path == nullptr) throw std::invalid_argument("kernmap_load_mapping_file: path is NULL");
+    if (mapping_json == nullptr) throw std::invalid_argument("kernmap_load_mapping_file: mapping_json is NULL");
+    *mapping_json = copy_string(mapping_to_json(load_mapping_file(path)).dump());
+  });
+}
+
+int kernmap_register_mapping_file(const char* path, char** error) {
+  return guarded("kernmap_register_mapping_file", error, [&] {
+    if (path == nullptr) throw std::invalid_argument("kernmap_register_mapping_file: path is NULL");
+    register_mapping_file(path);
   });
 }
 

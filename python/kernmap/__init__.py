@@ -21,6 +21,7 @@ from ._registry import (
     clear_user_mappings,
     effective_mapping,
     kernels,
+    load_mapping_file,
     register_default_mapping,
     register_kernel,
     register_mapping,
@@ -35,6 +36,6 @@ ops = torch.ops.kernmap
 
 __all__ = [
     "Decision", "Kernel", "KernelizeError", "KernmapError", "Report", "Row", "clear_user_mappings",
-    "effective_mapping", "kernelize", "kernels", "library_path", "ops", "register_default_mapping",
+    "effective_mapping", "kernelize", "kernels", "library_path", "load_mapping_file", "ops", "register_default_mapping",
     "register_kernel", "register_mapping", "resolve", "use_mapping",
 ]

@@ -39,6 +39,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kernmap_register_mapping": ([ctypes.c_char_p, out], ctypes.c_int),
         "kernmap_register_default_mapping": ([ctypes.c_char_p, out], ctypes.c_int),
         "kernmap_clear_user_mappings": ([out], ctypes.c_int),
+        "kernmap_load_mapping_file": ([ctypes.c_char_p, out, out], ctypes.c_int),
+        "kernmap_register_mapping_file": ([ctypes.c_char_p, out], ctypes.c_int),
         "kernmap_push_scope": ([ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), out], ctypes.c_int),
         "kernmap_pop_scope": ([ctypes.c_uint64, out], ctypes.c_int),
         "kernmap_resolve": ([ctypes.c_char_p, out, out], ctypes.c_int),

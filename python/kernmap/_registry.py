@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -121,10 +122,30 @@ def _normalize(mapping: Mapping) -> dict:
     return out
 
 
-def register_mapping(mapping: Mapping) -> None:
+MappingFile = str | os.PathLike
+
+
+def load_mapping_file(path: MappingFile) -> dict:
+    """Reads a mapping file (``.json``, or ``.toml`` in the subset docs/mapping.md describes), validates it against
+    the registry as it stands, and returns ``{layer: {device: {mode: kernel}}}``. The C++ parser does the work (one
+    parser for C++, Python and the CLI); a bad file raises KernmapError whose message starts with the location
+    (``FILE:LINE:COL: problem``, or ``FILE: /Layer/device/mode: problem`` for JSON entries)."""
+    (text,) = _library.call("kernmap_load_mapping_file", os.fsencode(path), outputs=1)
+    return json.loads(text)
+
+
+def _is_path(value) -> bool:
+    return isinstance(value, (str, os.PathLike))
+
+
+def register_mapping(mapping: Mapping | MappingFile) -> None:
     """Adds user registrations: ``{"RMSNorm": {"cpu": "kernmap/rms_norm"}}`` or with modes
-    ``{"RMSNorm": {"npu": {"training": kernel, "inference": kernel}}}``. Values are kernel names or
-    `Kernel` objects (registered on first use). A (layer, device) entry replaces the previous one."""
+    ``{"RMSNorm": {"npu": {"training": kernel, "inference": kernel}}}``, or the path of a mapping file (see
+    `load_mapping_file`). Values are kernel names or `Kernel` objects (registered on first use). A (layer, device)
+    entry replaces the previous one."""
+    if _is_path(mapping):
+        _library.call("kernmap_register_mapping_file", os.fsencode(mapping))
+        return
     _library.call("kernmap_register_mapping", json.dumps(_normalize(mapping)).encode())
 
 
@@ -139,9 +160,12 @@ def clear_user_mappings() -> None:
 
 
 @contextlib.contextmanager
-def use_mapping(mapping: Mapping, inherit: bool = True) -> Iterator[None]:
-    """Scoped override on this thread, highest level: ``with kernmap.use_mapping({...}): kernelize(...)``.
-    With ``inherit=False`` user registrations and defaults are hidden inside the block."""
+def use_mapping(mapping: Mapping | MappingFile, inherit: bool = True) -> Iterator[None]:
+    """Scoped override on this thread, highest level: ``with kernmap.use_mapping({...}): kernelize(...)``, or
+    ``with kernmap.use_mapping("kernmap.toml"): ...`` for a mapping file. With ``inherit=False`` user
+    registrations and defaults are hidden inside the block."""
+    if _is_path(mapping):
+        mapping = load_mapping_file(mapping)
     handle = ctypes.c_uint64()
     _library.call("kernmap_push_scope", json.dumps(_normalize(mapping)).encode(), int(inherit), ctypes.byref(handle))
     try:
@@ -222,4 +246,4 @@ def _reference_op(layer: str) -> str:
 
 
 __all__ = ["Kernel", "Decision", "register_kernel", "register_mapping", "register_default_mapping",
-           "clear_user_mappings", "use_mapping", "resolve", "kernels", "effective_mapping", "MODES"]
+           "clear_user_mappings", "use_mapping", "load_mapping_file", "resolve", "kernels", "effective_mapping", "MODES"]

@@ -1,0 +1,46 @@
+// kernmap mapping files: user mappings in JSON or TOML, registered without code (docs/mapping.md, "Mapping
+// files").
+//
+//   # kernmap.toml                              // kernmap.json
+//   [RMSNorm.cpu]                               {"RMSNorm": {"cpu": {"training": "kernmap/rms_norm",
+//   training = "kernmap/rms_norm"                                    "inference": "kernmap/rms_norm"}},
+//   inference = "kernmap/rms_norm"               "SiluAndMul": {"cpu": "kernmap/silu_and_mul"}}
+//   [SiluAndMul]
+//   cpu = "kernmap/silu_and_mul"                // a device mapped straight to a kernel: its "fallback" entry
+//
+// The format is chosen by the extension (.json or .toml). The shape is the mapping the registry takes
+// (layer -> device -> mode -> kernel), with a device mapped straight to a kernel name as the shorthand for
+// {"fallback": kernel}, and an optional top-level `kernmap_mapping = 1` (the format version).
+//
+// Every problem throws MappingFileError whose message starts with the location: "FILE:LINE:COL: problem" for
+// TOML and for JSON syntax errors, "FILE: /Layer/device/mode: problem" (the key path) for JSON entries. Names
+// are checked against the registry when the file is loaded, so load a file after the plugins whose kernels it
+// names.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "kernmap/registry.h"
+
+namespace kernmap {
+
+/// A mapping file that cannot be read, parsed or validated. The message gives the location and the problem; a
+/// file with several invalid entries lists each, one per line.
+class MappingFileError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// Reads, parses and validates a mapping file against the registry as it stands: every layer must be known
+/// (have a reference kernel), every device a torch device type or a device some registered kernel names,
+/// every mode one of inference, training, inference+compile, training+compile, fallback, and every kernel
+/// registered, for that layer, and able to run on that device. Returns the mapping, ready for
+/// register_mapping or ScopedMapping. Throws MappingFileError.
+Mapping load_mapping_file(const std::string& path);
+
+/// load_mapping_file, then register_mapping: the file's entries become user registrations (a (layer, device)
+/// entry replaces an earlier one). Nothing is registered when the file has any error.
+void register_mapping_file(const std::string& path);
+
+}  // namespace kernmap
