@@ -1,6 +1,6 @@
 // `kernmap kernels`: the registered kernels, the CPU instruction-set level, what each layer resolves to on
-// each device and mode, with the reason, and the kernel repositories: what their packages offer, what was loaded
-// and why anything was not. Also the plugin load every command does first.
+// each device and mode, with the reason, and the kernel repositories: what their packages offer, what was
+// loaded and why anything was not. Also the plugin load every command does first.
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -46,9 +46,10 @@ void print_plugins(const LoadReport& report) {
   std::printf("%s\n", repos.render().c_str());
   Table pkgs{{"package", "version", "state", "variant", "kernels", "folder", "why"}, {}};
   for (const PackageReport& p : report.packages) {
-    pkgs.rows.push_back({p.name.empty() ? "?" : p.name, p.version.empty() ? "-" : p.version, to_string(p.state),
-                         p.variant.empty() ? "-" : p.variant, join_or_dash(p.kernels, ","),
-                         p.repository + "/" + p.folder, p.reason.empty() ? "-" : p.reason});
+    pkgs.rows.push_back({p.name.empty() ? "?" : p.name, p.version.empty() ? "-" : p.version,
+                         to_string(p.state), p.variant.empty() ? "-" : p.variant,
+                         join_or_dash(p.kernels, ","), p.repository + "/" + p.folder,
+                         p.reason.empty() ? "-" : p.reason});
   }
   std::printf("Plugin packages (process: %s, torch %s, %s, %s)\n%s", report.process.os.c_str(),
               report.process.torch.c_str(), report.process.arch.c_str(),
@@ -66,12 +67,13 @@ void load_env_plugins() {
   const LoadReport report = load_plugins_from_env();
   for (const PackageReport& p : report.packages) {
     if (p.state == PackageState::kRefused) {
-      std::fprintf(stderr, "kernmap: plugin package %s/%s refused: %s\n", p.repository.c_str(), p.folder.c_str(),
-                   p.reason.c_str());
+      std::fprintf(stderr, "kernmap: plugin package %s/%s refused: %s\n", p.repository.c_str(),
+                   p.folder.c_str(), p.reason.c_str());
     }
   }
   for (const RepositoryReport& r : report.repositories)
-    if (!r.error.empty()) std::fprintf(stderr, "kernmap: kernel repository %s: %s\n", r.path.c_str(), r.error.c_str());
+    if (!r.error.empty())
+      std::fprintf(stderr, "kernmap: kernel repository %s: %s\n", r.path.c_str(), r.error.c_str());
 }
 
 int kernels_command(const std::vector<std::string>& args) {
@@ -98,9 +100,11 @@ int kernels_command(const std::vector<std::string>& args) {
       for (const auto& d : k->dtypes) dts.push_back(json_string(d));
       out += std::string(first ? "" : ", ") + "{\"name\": " + json_string(k->name) +
              ", \"layer\": " + json_string(k->layer) + ", \"devices\": [" + join(devs, ", ") +
-             "], \"dtypes\": [" + join(dts, ", ") + "], \"has_backward\": " + (k->has_backward ? "true" : "false") +
+             "], \"dtypes\": [" + join(dts, ", ") +
+             "], \"has_backward\": " + (k->has_backward ? "true" : "false") +
              ", \"compile_safe\": " + (k->compile_safe ? "true" : "false") +
-             ", \"deterministic\": " + (k->deterministic ? "true" : "false") + ", \"op\": " + json_string(k->op) + "}";
+             ", \"deterministic\": " + (k->deterministic ? "true" : "false") +
+             ", \"op\": " + json_string(k->op) + "}";
       first = false;
     }
     out += "], \"resolution\": [";
@@ -112,8 +116,8 @@ int kernels_command(const std::vector<std::string>& args) {
           out += std::string(first ? "" : ", ") + "{\"layer\": " + json_string(layer) +
                  ", \"device\": " + json_string(dev) + ", \"mode\": " + json_string(to_string(m)) +
                  ", \"kernel\": " + json_string(d.kernel ? d.kernel->name : "") +
-                 ", \"fallback\": " + (d.fallback ? "true" : "false") + ", \"reason\": " + json_string(d.reason) +
-                 "}";
+                 ", \"fallback\": " + (d.fallback ? "true" : "false") +
+                 ", \"reason\": " + json_string(d.reason) + "}";
           first = false;
         }
     std::printf("%s], \"plugins\": %s}\n", out.c_str(), plugin_report().to_json().c_str());

@@ -1,4 +1,5 @@
-// The plugin part of the C API (include/kernmap/c_api.h): options and reports as JSON, errors as status codes.
+// The plugin part of the C API (include/kernmap/c_api.h): options and reports as JSON, errors as status
+// codes.
 #include <nlohmann/json.hpp>
 
 #include <cstdlib>
@@ -29,7 +30,8 @@ int guarded(const char* function, char** error, Body&& body) {
     if (error != nullptr) *error = copy_string(std::string(function) + ": " + e.what());
     return KERNMAP_INVALID_ARGUMENT;
   } catch (const json::exception& e) {
-    if (error != nullptr) *error = copy_string(std::string(function) + ": invalid JSON argument: " + e.what());
+    if (error != nullptr)
+      *error = copy_string(std::string(function) + ": invalid JSON argument: " + e.what());
     return KERNMAP_INVALID_ARGUMENT;
   } catch (const std::exception& e) {
     if (error != nullptr) *error = copy_string(std::string(function) + ": " + e.what());

@@ -31,7 +31,8 @@ json parse_json(std::string_view text, const std::string& file) {
   }
 }
 
-// Checks that `object` is an object whose keys are all in `allowed` and that every key of `required` is there.
+// Checks that `object` is an object whose keys are all in `allowed` and that every key of `required` is
+// there.
 void check_keys(const json& object, const std::string& file, const std::string& field,
                 std::initializer_list<const char*> allowed, std::initializer_list<const char*> required) {
   if (!object.is_object()) fail(file, field.empty() ? "top level" : field, "an object", shown(object));
@@ -48,8 +49,8 @@ void check_keys(const json& object, const std::string& file, const std::string& 
   }
 }
 
-std::string string_field(const json& object, const std::string& file, const std::string& field, const char* key,
-                         bool allow_empty = false) {
+std::string string_field(const json& object, const std::string& file, const std::string& field,
+                         const char* key, bool allow_empty = false) {
   const json& value = object.at(key);
   if (!value.is_string()) fail(file, field, "a string", shown(value));
   std::string s = value.get<std::string>();
@@ -89,8 +90,10 @@ Variant parse_variant(const json& j, const std::string& file, const std::string&
   check_library_path(v.library, file, field + ".library");
   v.sha256 = sha256_field(j.at("sha256"), file, field + ".sha256");
   v.torch = string_field(j, file, field + ".torch", "torch");
-  if (!is_major_minor(v.torch)) fail(file, field + ".torch", "major.minor such as \"2.15\"", shown(j.at("torch")));
-  if (!j.at("cxx11_abi").is_boolean()) fail(file, field + ".cxx11_abi", "true or false", shown(j.at("cxx11_abi")));
+  if (!is_major_minor(v.torch))
+    fail(file, field + ".torch", "major.minor such as \"2.15\"", shown(j.at("torch")));
+  if (!j.at("cxx11_abi").is_boolean())
+    fail(file, field + ".cxx11_abi", "true or false", shown(j.at("cxx11_abi")));
   v.cxx11_abi = j.at("cxx11_abi").get<bool>();
   v.arch = string_field(j, file, field + ".arch", "arch");
   v.os = string_field(j, file, field + ".os", "os");
@@ -136,12 +139,13 @@ void check_library_path(const std::string& path, const std::string& file, const 
   }
 }
 
-std::string resolve_inside(const std::string& package_dir, const std::string& relative, const std::string& file,
-                           const std::string& field) {
+std::string resolve_inside(const std::string& package_dir, const std::string& relative,
+                           const std::string& file, const std::string& field) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path root = fs::canonical(package_dir, ec);
-  if (ec) throw FormatError(file + ": package folder '" + package_dir + "' cannot be resolved: " + ec.message());
+  if (ec)
+    throw FormatError(file + ": package folder '" + package_dir + "' cannot be resolved: " + ec.message());
   const fs::path target = fs::canonical(fs::path(package_dir) / relative, ec);
   if (ec) {
     throw FormatError(file + ": " + field + ": library '" + relative + "' not found in '" + root.string() +
@@ -150,7 +154,8 @@ std::string resolve_inside(const std::string& package_dir, const std::string& re
   const auto [root_end, unused] = std::mismatch(root.begin(), root.end(), target.begin(), target.end());
   if (root_end != root.end() || target == root) {
     fail(file, field, "a library inside the package folder '" + root.string() + "'",
-         "\"" + relative + "\", which resolves to '" + target.string() + "' (a symlink that leaves the folder)");
+         "\"" + relative + "\", which resolves to '" + target.string() +
+             "' (a symlink that leaves the folder)");
   }
   return target.string();
 }
@@ -195,7 +200,8 @@ Lock parse_lock(std::string_view text, const std::string& file) {
     LockedPackage p;
     p.version = string_field(entry, file, field + ".version", "version");
     const json& hashes = entry.at("sha256");
-    if (!hashes.is_array() || hashes.empty()) fail(file, field + ".sha256", "a non-empty array", shown(hashes));
+    if (!hashes.is_array() || hashes.empty())
+      fail(file, field + ".sha256", "a non-empty array", shown(hashes));
     for (size_t i = 0; i < hashes.size(); ++i)
       p.sha256.insert(sha256_field(hashes[i], file, field + ".sha256[" + std::to_string(i) + "]"));
     lock.packages.emplace(name, std::move(p));

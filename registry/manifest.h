@@ -1,6 +1,7 @@
 // The files of a local kernel repository (docs/plugins.md): a package's manifest.json and the repository's
 // kernmap.lock. Parsing and validation only, without torch, so that the fuzz target links this file alone.
-// Both files are untrusted input: every error names the file, the field, what was expected and what was found.
+// Both files are untrusted input: every error names the file, the field, what was expected and what was
+// found.
 #pragma once
 
 #include <map>
@@ -20,12 +21,12 @@ class FormatError : public std::invalid_argument {
 
 /// One build of a package's library and the process it is for.
 struct Variant {
-  std::string library;                         ///< relative to the package folder
-  std::string sha256;                          ///< 64 lowercase hex digits
-  std::string torch;                           ///< major.minor, "2.15"
-  bool cxx11_abi = true;                       ///< _GLIBCXX_USE_CXX11_ABI of the build
-  std::string arch;                            ///< as `uname -m`
-  std::string os;                              ///< "linux"
+  std::string library;                          ///< relative to the package folder
+  std::string sha256;                           ///< 64 lowercase hex digits
+  std::string torch;                            ///< major.minor, "2.15"
+  bool cxx11_abi = true;                        ///< _GLIBCXX_USE_CXX11_ABI of the build
+  std::string arch;                             ///< as `uname -m`
+  std::string os;                               ///< "linux"
   std::map<std::string, std::string> toolkits;  ///< accelerator toolkit -> version it needs
 };
 
@@ -60,8 +61,8 @@ void check_library_path(const std::string& path, const std::string& file, const 
 
 /// The real path of package_dir/relative after resolving every symlink; throws FormatError when it is not
 /// inside the real path of package_dir (a symlink that escapes) or does not exist.
-std::string resolve_inside(const std::string& package_dir, const std::string& relative, const std::string& file,
-                           const std::string& field);
+std::string resolve_inside(const std::string& package_dir, const std::string& relative,
+                           const std::string& file, const std::string& field);
 
 /// True for a valid package name: 1-64 characters of [a-z0-9_.-], starting with a letter or digit.
 bool is_package_name(std::string_view name);

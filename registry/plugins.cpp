@@ -60,8 +60,8 @@ struct Stage {
 
 struct LoaderState {
   std::mutex mutex;
-  std::map<std::string, LoadedPackage> loaded;                    // by package name
-  std::map<std::string, std::string> kernel_owner;                // kernel name -> package name
+  std::map<std::string, LoadedPackage> loaded;                               // by package name
+  std::map<std::string, std::string> kernel_owner;                           // kernel name -> package name
   std::map<std::pair<std::string, std::string>, std::string> default_owner;  // (layer, device) -> package
   LoadReport history;
 };
@@ -96,14 +96,16 @@ std::string kernel_origin(const std::string& kernel) {
   return "package '" + it->second + "'" + (pkg == s.loaded.end() ? "" : " (" + pkg->second.location + ")");
 }
 
-int host_register_kernel(const char* descriptor_json, kernmap_supports_fn supports, void* user_data, char** error) {
+int host_register_kernel(const char* descriptor_json, kernmap_supports_fn supports, void* user_data,
+                         char** error) {
   Stage* stage = current_stage;
   if (stage == nullptr)
-    return host_fail(nullptr, "register_kernel: called outside kernmap_plugin_register (or on another thread)",
-                     error);
+    return host_fail(nullptr,
+                     "register_kernel: called outside kernmap_plugin_register (or on another thread)", error);
   const std::string who = "package '" + *current_package + "'";
   try {
-    if (descriptor_json == nullptr) return host_fail(stage, who + ": register_kernel: descriptor_json is NULL", error);
+    if (descriptor_json == nullptr)
+      return host_fail(stage, who + ": register_kernel: descriptor_json is NULL", error);
     KernelDescriptor d = detail::descriptor_from_json(json::parse(descriptor_json), supports, user_data);
     for (const KernelDescriptor& staged : stage->kernels) {
       if (staged.name == d.name)
@@ -116,7 +118,8 @@ int host_register_kernel(const char* descriptor_json, kernmap_supports_fn suppor
                        error);
     }
     if (d.provider() == "reference")
-      return host_fail(stage, who + ": kernel '" + d.name + "': the provider 'reference' is kernmap's", error);
+      return host_fail(stage, who + ": kernel '" + d.name + "': the provider 'reference' is kernmap's",
+                       error);
     stage->kernels.push_back(std::move(d));
     return KERNMAP_OK;
   } catch (const std::exception& e) {
@@ -127,8 +130,9 @@ int host_register_kernel(const char* descriptor_json, kernmap_supports_fn suppor
 int host_register_default_mapping(const char* mapping_json, char** error) {
   Stage* stage = current_stage;
   if (stage == nullptr)
-    return host_fail(nullptr,
-                     "register_default_mapping: called outside kernmap_plugin_register (or on another thread)", error);
+    return host_fail(
+        nullptr, "register_default_mapping: called outside kernmap_plugin_register (or on another thread)",
+        error);
   const std::string who = "package '" + *current_package + "'";
   try {
     if (mapping_json == nullptr)
@@ -136,19 +140,20 @@ int host_register_default_mapping(const char* mapping_json, char** error) {
     const Mapping m = detail::mapping_from_json("register_default_mapping", json::parse(mapping_json));
     for (const auto& [layer, devices] : m) {
       if (reference_kernel(layer) == nullptr)
-        return host_fail(stage, who + ": register_default_mapping: " + detail::unknown_layer_message(layer), error);
+        return host_fail(stage, who + ": register_default_mapping: " + detail::unknown_layer_message(layer),
+                         error);
       for (const auto& [device, modes] : devices) {
         if (device.empty())
-          return host_fail(stage, who + ": register_default_mapping: layer '" + layer + "' has an empty device",
-                           error);
+          return host_fail(
+              stage, who + ": register_default_mapping: layer '" + layer + "' has an empty device", error);
         for (const auto& [mode, kernel] : modes) {
           const KernelDescriptor* k = find_kernel(kernel);
           for (const KernelDescriptor& staged : stage->kernels)
             if (staged.name == kernel) k = &staged;
           if (k == nullptr) {
             return host_fail(stage,
-                             who + ": register_default_mapping: kernel '" + kernel + "' for " + layer + " on " +
-                                 device + " is neither registered nor registered by this plugin",
+                             who + ": register_default_mapping: kernel '" + kernel + "' for " + layer +
+                                 " on " + device + " is neither registered nor registered by this plugin",
                              error);
           }
           if (k->layer != layer) {
@@ -167,7 +172,9 @@ int host_register_default_mapping(const char* mapping_json, char** error) {
   }
 }
 
-void host_free_string(char* text) { std::free(text); }
+void host_free_string(char* text) {
+  std::free(text);
+}
 
 std::string major_minor(const std::string& version) {
   const auto first = version.find('.');
@@ -185,30 +192,32 @@ std::map<std::string, std::string> parse_toolkits(const char* text) {
     if (item.empty()) continue;
     const auto eq = item.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == item.size()) {
-      throw std::invalid_argument("KERNMAP_TOOLKITS: entry '" + item +
-                                  "' is not of the form toolkit=version (expected e.g. \"cuda=12.8,cann=8.0\")");
+      throw std::invalid_argument(
+          "KERNMAP_TOOLKITS: entry '" + item +
+          "' is not of the form toolkit=version (expected e.g. \"cuda=12.8,cann=8.0\")");
     }
     out[item.substr(0, eq)] = item.substr(eq + 1);
   }
   return out;
 }
 
-// "12" accepts 12.x, "12.8" accepts 12.8 and 12.8.x: the needed version's components must prefix the process's.
+// "12" accepts 12.x, "12.8" accepts 12.8 and 12.8.x: the needed version's components must prefix the
+// process's.
 bool version_accepts(const std::string& needed, const std::string& have) {
   return have == needed || (have.size() > needed.size() && have.compare(0, needed.size(), needed) == 0 &&
                             have[needed.size()] == '.');
 }
 
 std::string describe(const repository::Variant& v) {
-  std::string out = v.library + " (torch " + v.torch + ", " + (v.cxx11_abi ? "cxx11_abi" : "pre-cxx11 abi") + ", " +
-                    v.arch + ", " + v.os;
+  std::string out = v.library + " (torch " + v.torch + ", " + (v.cxx11_abi ? "cxx11_abi" : "pre-cxx11 abi") +
+                    ", " + v.arch + ", " + v.os;
   for (const auto& [name, version] : v.toolkits) out += ", " + name + " " + version;
   return out + ")";
 }
 
 std::string describe(const ProcessInfo& p) {
-  std::string out = "torch " + p.torch + ", " + (p.cxx11_abi ? "cxx11_abi" : "pre-cxx11 abi") + ", " + p.arch +
-                    ", " + p.os + ", toolkits: ";
+  std::string out = "torch " + p.torch + ", " + (p.cxx11_abi ? "cxx11_abi" : "pre-cxx11 abi") + ", " +
+                    p.arch + ", " + p.os + ", toolkits: ";
   if (p.toolkits.empty()) return out + "none";
   bool first = true;
   for (const auto& [name, version] : p.toolkits) {
@@ -226,8 +235,10 @@ std::string mismatch(const repository::Variant& v, const ProcessInfo& p) {
   if (v.os != p.os) return "needs os " + v.os;
   for (const auto& [name, version] : v.toolkits) {
     const auto it = p.toolkits.find(name);
-    if (it == p.toolkits.end()) return "needs " + name + " " + version + " (this process has no " + name + ")";
-    if (!version_accepts(version, it->second)) return "needs " + name + " " + version + " (have " + it->second + ")";
+    if (it == p.toolkits.end())
+      return "needs " + name + " " + version + " (this process has no " + name + ")";
+    if (!version_accepts(version, it->second))
+      return "needs " + name + " " + version + " (have " + it->second + ")";
   }
   return "";
 }
@@ -251,12 +262,16 @@ std::string not_a_shared_object(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   unsigned char h[20] = {0};
   in.read(reinterpret_cast<char*>(h), sizeof h);
-  if (in.gcount() < static_cast<std::streamsize>(sizeof h) || std::memcmp(h, "\x7f" "ELF", 4) != 0)
+  if (in.gcount() < static_cast<std::streamsize>(sizeof h) || std::memcmp(h,
+                                                                          "\x7f"
+                                                                          "ELF",
+                                                                          4) != 0)
     return "not an ELF file (a shared library starts with \\x7fELF)";
   if (h[4] != (sizeof(void*) == 8 ? 2 : 1)) return "an ELF file of another word size than this process";
   const bool little = h[5] == 1;
   const unsigned type = little ? (h[16] | (h[17] << 8)) : ((h[16] << 8) | h[17]);
-  if (type != 3) return "an ELF file of type " + std::to_string(type) + " (expected 3, ET_DYN: a shared object)";
+  if (type != 3)
+    return "an ELF file of type " + std::to_string(type) + " (expected 3, ET_DYN: a shared object)";
   return "";
 }
 
@@ -301,10 +316,12 @@ class Refusal : public std::runtime_error {
   PackageState state;
 };
 
-[[noreturn]] void refuse(const std::string& reason) { throw Refusal(PackageState::kRefused, reason); }
+[[noreturn]] void refuse(const std::string& reason) {
+  throw Refusal(PackageState::kRefused, reason);
+}
 
-// Applies the plugin's defaults: only to pairs the built-in defaults leave unmapped; between plugins the higher
-// score wins. Returns one note per (layer, device). Called with the loader lock held.
+// Applies the plugin's defaults: only to pairs the built-in defaults leave unmapped; between plugins the
+// higher score wins. Returns one note per (layer, device). Called with the loader lock held.
 std::vector<std::string> apply_defaults(const Mapping& defaults, const std::string& package, int score) {
   LoaderState& s = state();
   std::vector<std::string> notes;
@@ -338,13 +355,15 @@ std::vector<std::string> apply_defaults(const Mapping& defaults, const std::stri
   return notes;
 }
 
-// One package folder: everything up to and including its registration. Throws Refusal; fills `out` as it goes.
-void load_package(const fs::path& dir, const RepositoryFiles& repo, const ProcessInfo& process, PackageReport& out,
-                  bool& repeated) {
+// One package folder: everything up to and including its registration. Throws Refusal; fills `out` as it
+// goes.
+void load_package(const fs::path& dir, const RepositoryFiles& repo, const ProcessInfo& process,
+                  PackageReport& out, bool& repeated) {
   LoaderState& s = state();
   const fs::path manifest_path = dir / kManifestFile;
   std::error_code ec;
-  if (!fs::exists(manifest_path, ec)) refuse("no " + std::string(kManifestFile) + " in '" + dir.string() + "'");
+  if (!fs::exists(manifest_path, ec))
+    refuse("no " + std::string(kManifestFile) + " in '" + dir.string() + "'");
   repository::Manifest m;
   try {
     m = repository::parse_manifest(read_small_file(manifest_path), manifest_path.string());
@@ -367,13 +386,15 @@ void load_package(const fs::path& dir, const RepositoryFiles& repo, const Proces
   for (size_t i = 0; i < m.variants.size(); ++i) {
     const std::string miss = mismatch(m.variants[i], process);
     if (miss.empty()) {
-      if (chosen == nullptr || m.variants[i].toolkits.size() > chosen->toolkits.size()) chosen = &m.variants[i];
+      if (chosen == nullptr || m.variants[i].toolkits.size() > chosen->toolkits.size())
+        chosen = &m.variants[i];
     } else {
       why_not += (why_not.empty() ? "" : "; ") + m.variants[i].library + " " + miss;
     }
   }
   if (chosen == nullptr) {
-    throw Refusal(PackageState::kSkipped, "no variant for this process (" + describe(process) + "): " + why_not);
+    throw Refusal(PackageState::kSkipped,
+                  "no variant for this process (" + describe(process) + "): " + why_not);
   }
   out.variant = chosen->library;
   const size_t index = static_cast<size_t>(chosen - m.variants.data());
@@ -429,14 +450,22 @@ void load_package(const fs::path& dir, const RepositoryFiles& repo, const Proces
     const char* err = dlerror();
     refuse("cannot open " + library + ": " + (err != nullptr ? err : "dlopen failed"));
   }
-  const auto abi = reinterpret_cast<kernmap_plugin_abi_version_fn>(dlsym(handle, KERNMAP_PLUGIN_ABI_VERSION_SYMBOL));
-  if (abi == nullptr) refuse(library + " does not export " + KERNMAP_PLUGIN_ABI_VERSION_SYMBOL + " (not a kernmap plugin)");
-  const uint32_t plugin_abi = abi();
+  const auto abi =
+      reinterpret_cast<kernmap_plugin_abi_version_fn>(dlsym(handle, KERNMAP_PLUGIN_ABI_VERSION_SYMBOL));
+  if (abi == nullptr)
+    refuse(library + " does not export " + KERNMAP_PLUGIN_ABI_VERSION_SYMBOL + " (not a kernmap plugin)");
+  uint32_t plugin_abi = 0;
+  try {
+    plugin_abi = abi();
+  } catch (...) {
+    refuse(library + ": " + KERNMAP_PLUGIN_ABI_VERSION_SYMBOL + "() threw");
+  }
   if (plugin_abi != KERNMAP_PLUGIN_ABI_VERSION) {
     refuse(library + ": " + KERNMAP_PLUGIN_ABI_VERSION_SYMBOL + "() returned " + std::to_string(plugin_abi) +
            " (expected " + std::to_string(KERNMAP_PLUGIN_ABI_VERSION) + ", the plugin ABI of this kernmap)");
   }
-  const auto reg = reinterpret_cast<kernmap_plugin_register_fn>(dlsym(handle, KERNMAP_PLUGIN_REGISTER_SYMBOL));
+  const auto reg =
+      reinterpret_cast<kernmap_plugin_register_fn>(dlsym(handle, KERNMAP_PLUGIN_REGISTER_SYMBOL));
   if (reg == nullptr) refuse(library + " does not export " + KERNMAP_PLUGIN_REGISTER_SYMBOL);
   const auto score_fn = reinterpret_cast<kernmap_plugin_score_fn>(dlsym(handle, KERNMAP_PLUGIN_SCORE_SYMBOL));
 
@@ -511,11 +540,10 @@ void load_package(const fs::path& dir, const RepositoryFiles& repo, const Proces
 }
 
 json to_json(const PackageReport& p) {
-  return json{{"repository", p.repository}, {"folder", p.folder},   {"name", p.name},
-              {"version", p.version},       {"description", p.description},
-              {"state", to_string(p.state)}, {"reason", p.reason}, {"variant", p.variant},
-              {"offered", p.offered},       {"score", p.score},    {"kernels", p.kernels},
-              {"defaults", p.defaults}};
+  return json{{"repository", p.repository}, {"folder", p.folder},           {"name", p.name},
+              {"version", p.version},       {"description", p.description}, {"state", to_string(p.state)},
+              {"reason", p.reason},         {"variant", p.variant},         {"offered", p.offered},
+              {"score", p.score},           {"kernels", p.kernels},         {"defaults", p.defaults}};
 }
 
 std::vector<std::string> split_path_list(const char* text) {
@@ -543,8 +571,9 @@ std::string to_string(PackageState state) {
 }
 
 size_t LoadReport::refused() const {
-  return static_cast<size_t>(std::count_if(packages.begin(), packages.end(),
-                                           [](const PackageReport& p) { return p.state == PackageState::kRefused; }));
+  return static_cast<size_t>(std::count_if(packages.begin(), packages.end(), [](const PackageReport& p) {
+    return p.state == PackageState::kRefused;
+  }));
 }
 
 std::string LoadReport::to_json() const {

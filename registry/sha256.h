@@ -1,5 +1,5 @@
-// SHA-256 (FIPS 180-4) without torch or OpenSSL: the loader verifies plugin libraries with it, and the lock pins
-// its digests. Streaming, so a large library is hashed without reading it into memory whole.
+// SHA-256 (FIPS 180-4) without torch or OpenSSL: the loader verifies plugin libraries with it, and the lock
+// pins its digests. Streaming, so a large library is hashed without reading it into memory whole.
 #pragma once
 
 #include <array>

@@ -1,16 +1,16 @@
 // kernmap plugins: loading kernel packages from local kernel repositories (docs/plugins.md).
 //
 // A repository is a folder of package folders, each with a manifest.json, and optionally a kernmap.lock.
-// Repositories come from KERNMAP_PATH (':'-separated) and from LoadOptions::paths; nothing is ever downloaded.
-// For each package the loader picks the manifest variant that matches this process, verifies the library's
-// sha256 (against the manifest, and against the lock when the repository has one), checks that the file is an
-// ELF shared object, opens it (never closes it), checks the plugin ABI, asks its score, and lets it register
-// its kernels (staged: committed only when registration succeeds and every kernel name is new). See
-// include/kernmap/plugin.h for the plugin's side.
+// Repositories come from KERNMAP_PATH (':'-separated) and from LoadOptions::paths; nothing is ever
+// downloaded. For each package the loader picks the manifest variant that matches this process, verifies the
+// library's sha256 (against the manifest, and against the lock when the repository has one), checks that the
+// file is an ELF shared object, opens it (never closes it), checks the plugin ABI, asks its score, and lets
+// it register its kernels (staged: committed only when registration succeeds and every kernel name is new).
+// See include/kernmap/plugin.h for the plugin's side.
 //
-// A bad package never throws out of load_plugins: it lands in the report as "refused" with the reason, and the
-// process keeps working (other packages still load, the registry still resolves). LoadOptions::strict turns
-// refusals into a PluginError after the whole load ran.
+// A bad package never throws out of load_plugins: it lands in the report as "refused" with the reason, and
+// the process keeps working (other packages still load, the registry still resolves). LoadOptions::strict
+// turns refusals into a PluginError after the whole load ran.
 //
 // Thread safety: every function may be called from any thread; loads are serialized.
 #pragma once
@@ -24,10 +24,10 @@ namespace kernmap {
 
 /// What this process offers to a plugin variant.
 struct ProcessInfo {
-  std::string torch;    ///< major.minor of the torch kernmap was built against, "2.15"
+  std::string torch;  ///< major.minor of the torch kernmap was built against, "2.15"
   bool cxx11_abi = true;
-  std::string arch;     ///< uname -m
-  std::string os;       ///< "linux"
+  std::string arch;                             ///< uname -m
+  std::string os;                               ///< "linux"
   std::map<std::string, std::string> toolkits;  ///< from KERNMAP_TOOLKITS and LoadOptions::toolkits
 };
 

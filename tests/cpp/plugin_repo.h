@@ -1,5 +1,5 @@
-// Test helper: temporary local kernel repositories built from the test plugins (tests/plugins), with manifests
-// whose sha256 is computed from the copied file.
+// Test helper: temporary local kernel repositories built from the test plugins (tests/plugins), with
+// manifests whose sha256 is computed from the copied file.
 #pragma once
 
 #include <unistd.h>
@@ -30,7 +30,8 @@ inline void write_file(const fs::path& path, const std::string& text) {
 }
 
 /// A manifest with one variant for this process.
-inline nlohmann::json manifest_for(const std::string& name, const std::string& library, const std::string& sha256) {
+inline nlohmann::json manifest_for(const std::string& name, const std::string& library,
+                                   const std::string& sha256) {
   const ProcessInfo p = process_info();
   return {{"name", name},
           {"version", "1.0.0"},

@@ -1,5 +1,5 @@
-// SHA-256 against FIPS 180-4 vectors, and manifest.json / kernmap.lock validation: every malformed input gets an
-// error naming the file, the field, the expected and the actual value.
+// SHA-256 against FIPS 180-4 vectors, and manifest.json / kernmap.lock validation: every malformed input gets
+// an error naming the file, the field, the expected and the actual value.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -24,9 +24,12 @@ TEST(Sha256, KnownVectors) {
   EXPECT_EQ(sha256_hex(std::string(1000000, 'a')),
             "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
   // 55, 56 and 64 bytes: the padding boundaries.
-  EXPECT_EQ(sha256_hex(std::string(55, 'a')), "9f4390f8d30c2dd92ec9f095b65e2b9ae9b0a925a5258e241c9f1e910f734318");
-  EXPECT_EQ(sha256_hex(std::string(56, 'a')), "b35439a4ac6f0948b6d6f9e3c6af0f5f590ce20f1bde7090ef7970686ec6738a");
-  EXPECT_EQ(sha256_hex(std::string(64, 'a')), "ffe054fe7ae0cb6dc65c3af9b61d5209f439851db43d0ba5997337df154668eb");
+  EXPECT_EQ(sha256_hex(std::string(55, 'a')),
+            "9f4390f8d30c2dd92ec9f095b65e2b9ae9b0a925a5258e241c9f1e910f734318");
+  EXPECT_EQ(sha256_hex(std::string(56, 'a')),
+            "b35439a4ac6f0948b6d6f9e3c6af0f5f590ce20f1bde7090ef7970686ec6738a");
+  EXPECT_EQ(sha256_hex(std::string(64, 'a')),
+            "ffe054fe7ae0cb6dc65c3af9b61d5209f439851db43d0ba5997337df154668eb");
 }
 
 TEST(Sha256, StreamingInOddChunksEqualsOneShot) {
@@ -40,7 +43,11 @@ TEST(Sha256, StreamingInOddChunksEqualsOneShot) {
 
 TEST(Sha256, FileAndMissingFile) {
   const fs::path file = fs::temp_directory_path() / ("kernmap-sha-" + std::to_string(::getpid()));
-  { std::FILE* f = std::fopen(file.c_str(), "wb"); std::fputs("abc", f); std::fclose(f); }
+  {
+    std::FILE* f = std::fopen(file.c_str(), "wb");
+    std::fputs("abc", f);
+    std::fclose(f);
+  }
   EXPECT_EQ(sha256_file(file.string()), sha256_hex("abc"));
   fs::remove(file);
   try {
@@ -55,8 +62,8 @@ const char* kSha = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789ab
 
 std::string manifest(const std::string& variant_extra = "", const std::string& top_extra = "",
                      const std::string& library = "lib/libx.so") {
-  return std::string(R"({"name": "kmx", "version": "1.0", "plugin_abi": 1, "description": "d", )") + top_extra +
-         R"("variants": [{"library": ")" + library + R"(", "sha256": ")" + kSha +
+  return std::string(R"({"name": "kmx", "version": "1.0", "plugin_abi": 1, "description": "d", )") +
+         top_extra + R"("variants": [{"library": ")" + library + R"(", "sha256": ")" + kSha +
          R"(", "torch": "2.15", "cxx11_abi": true, "arch": "x86_64", "os": "linux", "toolkits": {"cann": "8.0"})" +
          variant_extra + "}]}";
 }
@@ -97,15 +104,18 @@ TEST(Manifest, ErrorsNameFileFieldExpectedAndActual) {
       {manifest().replace(manifest().find("\"plugin_abi\": 1"), 15, "\"plugin_abi\": \"1\""),
        {"plugin_abi", "expected an integer", "\"1\""}},
       {manifest().replace(manifest().find("\"kmx\""), 5, "\"Km X\""), {"name", "[a-z0-9_.-]", "\"Km X\""}},
-      {manifest().replace(manifest().find(kSha), 64, "ABC"), {"variants[0].sha256", "64 lowercase hex", "\"ABC\""}},
-      {manifest().replace(manifest().find("\"2.15\""), 6, "\"2\""), {"variants[0].torch", "major.minor", "\"2\""}},
+      {manifest().replace(manifest().find(kSha), 64, "ABC"),
+       {"variants[0].sha256", "64 lowercase hex", "\"ABC\""}},
+      {manifest().replace(manifest().find("\"2.15\""), 6, "\"2\""),
+       {"variants[0].torch", "major.minor", "\"2\""}},
       {manifest().replace(manifest().find("true"), 4, "1"), {"variants[0].cxx11_abi", "true or false", "1"}},
       {manifest("", "", "../other/lib.so"), {"variants[0].library", "no '..'", "\"../other/lib.so\""}},
       {manifest("", "", "lib/../../x.so"), {"variants[0].library", "no '..'", "lib/../../x.so"}},
       {manifest("", "", "/usr/lib/libc.so.6"), {"variants[0].library", "not an absolute path", "/usr/lib"}},
       {manifest("", "", "lib//x.so"), {"variants[0].library", "normalized", "lib//x.so"}},
       {manifest("", "", "./x.so"), {"variants[0].library", "normalized", "./x.so"}},
-      {manifest().replace(manifest().find("\"8.0\""), 5, "8"), {"variants[0].toolkits.cann", "version string", "8"}},
+      {manifest().replace(manifest().find("\"8.0\""), 5, "8"),
+       {"variants[0].toolkits.cann", "version string", "8"}},
   };
   for (const Case& c : cases) {
     const std::string error = manifest_error(c.text);
@@ -147,7 +157,8 @@ TEST(Lock, ErrorsNameFieldExpectedAndActual) {
       ADD_FAILURE() << "accepted: " << text;
     } catch (const FormatError& e) {
       EXPECT_NE(std::string(e.what()).find("repo/kernmap.lock: "), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "'" << part << "' not in: " << e.what();
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
+          << "'" << part << "' not in: " << e.what();
     }
   }
 }
@@ -156,8 +167,14 @@ TEST(Manifest, ResolveInsideRejectsSymlinksThatEscape) {
   const fs::path root = fs::temp_directory_path() / ("kernmap-inside-" + std::to_string(::getpid()));
   fs::remove_all(root);
   fs::create_directories(root / "pkg" / "lib");
-  { std::FILE* f = std::fopen((root / "outside.so").c_str(), "wb"); std::fclose(f); }
-  { std::FILE* f = std::fopen((root / "pkg" / "lib" / "real.so").c_str(), "wb"); std::fclose(f); }
+  {
+    std::FILE* f = std::fopen((root / "outside.so").c_str(), "wb");
+    std::fclose(f);
+  }
+  {
+    std::FILE* f = std::fopen((root / "pkg" / "lib" / "real.so").c_str(), "wb");
+    std::fclose(f);
+  }
   fs::create_symlink(root / "outside.so", root / "pkg" / "lib" / "escape.so");
   fs::create_symlink("real.so", root / "pkg" / "lib" / "alias.so");
   fs::create_directory_symlink(root, root / "pkg" / "up");
@@ -169,8 +186,9 @@ TEST(Manifest, ResolveInsideRejectsSymlinksThatEscape) {
       repository::resolve_inside(pkg, relative, "m.json", "variants[0].library");
       ADD_FAILURE() << relative << " accepted";
     } catch (const FormatError& e) {
-      EXPECT_NE(std::string(e.what()).find("variants[0].library: expected a library inside the package folder"),
-                std::string::npos)
+      EXPECT_NE(
+          std::string(e.what()).find("variants[0].library: expected a library inside the package folder"),
+          std::string::npos)
           << e.what();
       EXPECT_NE(std::string(e.what()).find("outside.so"), std::string::npos) << e.what();
     }

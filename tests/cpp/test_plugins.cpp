@@ -1,5 +1,5 @@
-// The plugin loader with real plugin libraries (tests/plugins) in temporary repositories: the good plugin loads
-// and runs; every failure case is refused with a clear reason and leaves the process working.
+// The plugin loader with real plugin libraries (tests/plugins) in temporary repositories: the good plugin
+// loads and runs; every failure case is refused with a clear reason and leaves the process working.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 
@@ -17,9 +17,9 @@
 namespace kernmap {
 namespace {
 
+using nlohmann::json;
 using testing::entry;
 using testing::TempRepo;
-using nlohmann::json;
 namespace fs = std::filesystem;
 
 void expect_contains(const std::string& text, const std::string& part) {
@@ -75,7 +75,9 @@ TEST(Plugins, GoodPluginLoadsThroughKernmapPathAndRunsInTheRMSNormLayer) {
   // Its npu default applies (kernmap maps nothing there); cpu keeps kernmap's kernel until a user maps it.
   EXPECT_EQ(resolve("RMSNorm", "npu", Mode::kInference).kernel->name, "kmgood/rms_norm_npu");
   expect_registry_works();
-  register_mapping({{"RMSNorm", {{"cpu", {{Mode::kInference, "kmgood/rms_norm"}, {Mode::kTraining, "kmgood/rms_norm"}}}}}});
+  register_mapping(
+      {{"RMSNorm",
+        {{"cpu", {{Mode::kInference, "kmgood/rms_norm"}, {Mode::kTraining, "kmgood/rms_norm"}}}}}});
   EXPECT_EQ(resolve("RMSNorm", "cpu", Mode::kTraining).kernel->name, "kmgood/rms_norm");
 
   RMSNorm layer(7, 1e-6);
@@ -109,8 +111,8 @@ TEST(Plugins, GoodPluginLoadsThroughKernmapPathAndRunsInTheRMSNormLayer) {
 
 // Writes the manifest after applying `change` to the one `add` wrote.
 template <typename Change>
-void add_changed(TempRepo& repo, const std::string& folder, const std::string& name, const std::string& plugin,
-                 Change change) {
+void add_changed(TempRepo& repo, const std::string& folder, const std::string& name,
+                 const std::string& plugin, Change change) {
   json m = repo.add(folder, name, plugin);
   change(m);
   repo.write_manifest(folder, m);
@@ -132,7 +134,8 @@ TEST(Plugins, EveryFailureIsRefusedWithItsReasonAndTheProcessKeepsWorking) {
   repo.add("zero-score", "kmzero", "kmzero");
   testing::write_file(repo.root() / "malformed" / "manifest.json", "{\"name\": \"kmbad\", ");
   add_changed(repo, "unknown-field", "kmunknown", "kmzero", [](json& m) { m["homepage"] = "https://x"; });
-  add_changed(repo, "dotdot", "kmdotdot", "kmzero", [](json& m) { m["variants"][0]["library"] = "../a-good/lib/libkmgood.so"; });
+  add_changed(repo, "dotdot", "kmdotdot", "kmzero",
+              [](json& m) { m["variants"][0]["library"] = "../a-good/lib/libkmgood.so"; });
   add_changed(repo, "absolute", "kmabs", "kmzero",
               [](json& m) { m["variants"][0]["library"] = testing::plugin_library("kmzero"); });
   {
@@ -143,8 +146,9 @@ TEST(Plugins, EveryFailureIsRefusedWithItsReasonAndTheProcessKeepsWorking) {
   }
   {
     testing::write_file(repo.root() / "not-elf" / "lib" / "libtext.so", "this is not a shared library\n");
-    repo.write_manifest("not-elf", testing::manifest_for("kmtext", "lib/libtext.so",
-                                                         sha256_file((repo.root() / "not-elf/lib/libtext.so").string())));
+    repo.write_manifest(
+        "not-elf", testing::manifest_for("kmtext", "lib/libtext.so",
+                                         sha256_file((repo.root() / "not-elf/lib/libtext.so").string())));
   }
   testing::write_file(repo.root() / "no-manifest" / "README", "a folder without manifest.json");
   add_changed(repo, "other-torch", "kmold", "kmzero", [](json& m) { m["variants"][0]["torch"] = "1.13"; });
@@ -159,8 +163,9 @@ TEST(Plugins, EveryFailureIsRefusedWithItsReasonAndTheProcessKeepsWorking) {
       {"no-register", {"does not export kernmap_plugin_register"}},
       {"throws", {"kernmap_plugin_register threw: boom from kmthrows", "nothing of it was registered"}},
       {"fails", {"returned 3: the acme runtime is missing", "nothing of it was registered"}},
-      {"z-duplicate", {"package 'kmdup' registers kernel 'kmgood/rms_norm'", "package 'kmgood'", "a-good",
-                       "nothing of it was registered"}},
+      {"z-duplicate",
+       {"package 'kmdup' registers kernel 'kmgood/rms_norm'", "package 'kmgood'", "a-good",
+        "nothing of it was registered"}},
       {"malformed", {"malformed/manifest.json: not valid JSON"}},
       {"unknown-field", {"unknown-field/manifest.json: homepage: expected no such field"}},
       {"dotdot", {"variants[0].library", "no '..'"}},
@@ -181,8 +186,8 @@ TEST(Plugins, EveryFailureIsRefusedWithItsReasonAndTheProcessKeepsWorking) {
   expect_contains(entry(report, "other-torch").reason, "lib/libkmzero.so needs torch 1.13");
 
   // Nothing of a refused or skipped plugin is registered; the good plugin and kernmap still work.
-  for (const char* name : {"kmbadabi/rms_norm", "kmthrows/rms_norm", "kmfails/rms_norm", "kmdup/rms_norm",
-                           "kmzero/rms_norm"})
+  for (const char* name :
+       {"kmbadabi/rms_norm", "kmthrows/rms_norm", "kmfails/rms_norm", "kmdup/rms_norm", "kmzero/rms_norm"})
     EXPECT_EQ(find_kernel(name), nullptr) << name;
   ASSERT_NE(find_kernel("kmgood/rms_norm"), nullptr);
   EXPECT_EQ(find_kernel("kmgood/rms_norm")->description, "test plugin RMSNorm (ATen ops)");
@@ -210,18 +215,21 @@ TEST(Plugins, LockPinsNameVersionAndHash) {
     return std::make_pair(p.state, p.reason);
   };
   const std::string digest = sha256_file((repo.root() / "kmgood/lib/libkmgood.so").string());
-  testing::write_file(lock_path, R"({"lock_version": 1, "packages": {"kmother": {"version": "1.0.0", "sha256": [")" +
-                                     digest + "\"]}}}");
+  testing::write_file(
+      lock_path,
+      R"({"lock_version": 1, "packages": {"kmother": {"version": "1.0.0", "sha256": [")" + digest + "\"]}}}");
   auto [state, reason] = load_state();
   EXPECT_EQ(state, PackageState::kRefused);
   expect_contains(reason, "kernmap.lock does not pin package 'kmgood'");
-  testing::write_file(lock_path, R"({"lock_version": 1, "packages": {"kmgood": {"version": "0.9", "sha256": [")" +
-                                     digest + "\"]}}}");
+  testing::write_file(
+      lock_path,
+      R"({"lock_version": 1, "packages": {"kmgood": {"version": "0.9", "sha256": [")" + digest + "\"]}}}");
   std::tie(state, reason) = load_state();
   EXPECT_EQ(state, PackageState::kRefused);
   expect_contains(reason, "pins 'kmgood' version 0.9, the manifest has 1.0.0");
-  testing::write_file(lock_path, R"({"lock_version": 1, "packages": {"kmgood": {"version": "1.0.0", "sha256": [")" +
-                                     std::string(64, 'e') + "\"]}}}");
+  testing::write_file(lock_path,
+                      R"({"lock_version": 1, "packages": {"kmgood": {"version": "1.0.0", "sha256": [")" +
+                          std::string(64, 'e') + "\"]}}}");
   std::tie(state, reason) = load_state();
   EXPECT_EQ(state, PackageState::kRefused);
   expect_contains(reason, "does not list sha256 " + digest);
@@ -304,7 +312,8 @@ TEST(Plugins, CApiLoadsReportsAndLocks) {
   expect_contains(out, "\"kmgood\"");
   kernmap_free(out);
 
-  EXPECT_EQ(kernmap_load_plugins(R"({"paths": [], "colour": "red"})", &out, &error), KERNMAP_INVALID_ARGUMENT);
+  EXPECT_EQ(kernmap_load_plugins(R"({"paths": [], "colour": "red"})", &out, &error),
+            KERNMAP_INVALID_ARGUMENT);
   expect_contains(error, "unknown field 'colour'");
   kernmap_free(error);
   error = nullptr;

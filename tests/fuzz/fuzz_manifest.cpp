@@ -1,6 +1,6 @@
-// libFuzzer target: arbitrary bytes as a manifest.json and as a kernmap.lock. Parsing must either return a value
-// that satisfies the documented invariants or throw FormatError; anything else (a crash, a sanitizer report,
-// another exception) is a bug. A parsed lock must also survive writing and reading back unchanged.
+// libFuzzer target: arbitrary bytes as a manifest.json and as a kernmap.lock. Parsing must either return a
+// value that satisfies the documented invariants or throw FormatError; anything else (a crash, a sanitizer
+// report, another exception) is a bug. A parsed lock must also survive writing and reading back unchanged.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>

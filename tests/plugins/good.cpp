@@ -1,6 +1,6 @@
-// Test plugin "kmgood": a CPU RMSNorm with its own torch op (kmgood::rms_norm), the same op offered as a kernel
-// for the "npu" device with a default mapping for it, and a default for RMSNorm on cpu that kernmap's built-in
-// default must keep. kmgood_calls() counts forward calls, so a test can tell this kernel ran.
+// Test plugin "kmgood": a CPU RMSNorm with its own torch op (kmgood::rms_norm), the same op offered as a
+// kernel for the "npu" device with a default mapping for it, and a default for RMSNorm on cpu that kernmap's
+// built-in default must keep. kmgood_calls() counts forward calls, so a test can tell this kernel ran.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -33,13 +33,20 @@ int fail(const kernmap_plugin_host* host, char* error, size_t capacity, char* me
 
 }  // namespace
 
-KERNMAP_PLUGIN_EXPORT int kmgood_calls(void) { return calls.load(); }
+KERNMAP_PLUGIN_EXPORT int kmgood_calls(void) {
+  return calls.load();
+}
 
-KERNMAP_PLUGIN_EXPORT uint32_t kernmap_plugin_abi_version(void) { return KERNMAP_PLUGIN_ABI_VERSION; }
+KERNMAP_PLUGIN_EXPORT uint32_t kernmap_plugin_abi_version(void) {
+  return KERNMAP_PLUGIN_ABI_VERSION;
+}
 
-KERNMAP_PLUGIN_EXPORT int kernmap_plugin_score(const kernmap_plugin_host*, char*, size_t) { return 2; }
+KERNMAP_PLUGIN_EXPORT int kernmap_plugin_score(const kernmap_plugin_host*, char*, size_t) {
+  return 2;
+}
 
-KERNMAP_PLUGIN_EXPORT int kernmap_plugin_register(const kernmap_plugin_host* host, char* error, size_t capacity) {
+KERNMAP_PLUGIN_EXPORT int kernmap_plugin_register(const kernmap_plugin_host* host, char* error,
+                                                  size_t capacity) {
   if (!ops) {
     ops = std::make_unique<torch::Library>(torch::Library::DEF, "kmgood", std::nullopt, __FILE__, __LINE__);
     ops->def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
