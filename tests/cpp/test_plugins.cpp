@@ -7,6 +7,8 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <thread>
+#include <vector>
 
 #include "kernmap/c_api.h"
 #include "kernmap/layers.h"
@@ -290,6 +292,25 @@ TEST(Plugins, VariantNeedsTheProcessToolkit) {
   ASSERT_EQ(p.offered.size(), 2u);
   expect_contains(p.offered[0], "cann 8.0");
   unsetenv("KERNMAP_TOOLKITS");
+}
+
+TEST(Plugins, ConcurrentLoadsLoadEachPackageOnce) {
+  TempRepo repo;
+  repo.add("kmgood", "kmgood", "kmgood");
+  std::vector<LoadReport> reports(4);
+  std::vector<std::thread> threads;
+  for (LoadReport& r : reports) threads.emplace_back([&r, &repo] { r = load_plugins(options(repo.path())); });
+  for (std::thread& t : threads) t.join();
+  int first = 0, repeats = 0;
+  for (const LoadReport& r : reports) {
+    const PackageReport& p = entry(r, "kmgood");
+    ASSERT_EQ(p.state, PackageState::kLoaded) << p.reason;
+    (p.reason.empty() ? first : repeats) += 1;
+  }
+  EXPECT_EQ(first, 1);
+  EXPECT_EQ(repeats, 3);
+  EXPECT_EQ(plugin_report().packages.size(), 1u);
+  EXPECT_NE(find_kernel("kmgood/rms_norm"), nullptr);
 }
 
 TEST(Plugins, MalformedToolkitsVariableIsAnError) {
