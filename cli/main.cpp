@@ -13,7 +13,10 @@ constexpr const char* kUsage =
     "usage: kernmap <command> [options]\n"
     "\n"
     "commands:\n"
-    "  kernels [--json]                       registered kernels and what each layer resolves to here\n"
+    "  kernels [--json]                       registered kernels, what each layer resolves to here, and the\n"
+    "                                         plugin packages of KERNMAP_PATH: offered, loaded, or why not\n"
+    "  lock DIR                               write DIR/kernmap.lock pinning each package of the kernel\n"
+    "                                         repository DIR (name, version, sha256 of each library)\n"
     "  bench ops [--json] [--filter REGEX]    kernmap kernels against the reference, with GB/s and % of\n"
     "            [--warmup N] [--reps N]      the machine's measured copy bandwidth\n"
     "  plan (--preset NAME | --model DIR)     the kernel each layer of a model gets here, and why (the\n"
@@ -32,7 +35,9 @@ constexpr const char* kUsage =
     "                                in order before the command; repeatable\n"
     "\n"
     "environment: KERNMAP_DISABLE=all|Layer,...  KERNMAP_LOG=1  "
-    "KERNMAP_CPU_ISA=baseline|avx2|avx512|avx512bf16\n";
+    "KERNMAP_CPU_ISA=baseline|avx2|avx512|avx512bf16\n"
+    "             KERNMAP_PATH=REPO:REPO (plugins, loaded before every command)  "
+    "KERNMAP_TOOLKITS=cuda=12.8,cann=8.0\n";
 
 }  // namespace
 
@@ -45,6 +50,7 @@ int main(int argc, char** argv) {
   const std::string command = args[0];
   args.erase(args.begin());
   try {
+    kernmap::cli::load_env_plugins();
     // After plugins are loaded, so that a mapping file can name their kernels.
     if (const int status = kernmap::cli::apply_mapping_options(command, args); status != 0) return status;
     if (command == "kernels") return kernmap::cli::kernels_command(args);
@@ -53,6 +59,7 @@ int main(int argc, char** argv) {
     if (command == "train") return kernmap::cli::train_command(args);
     if (command == "align") return kernmap::cli::align_command(args);
     if (command == "ablate") return kernmap::cli::ablate_command(args);
+    if (command == "lock") return kernmap::cli::lock_command(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernmap %s: %s\n", command.c_str(), e.what());
     return 1;

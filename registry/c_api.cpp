@@ -16,6 +16,7 @@
 
 #include "kernmap/mapping_file.h"
 #include "kernmap/registry.h"
+#include "registry/json_forms.h"
 
 namespace kernmap {
 namespace {
@@ -58,30 +59,6 @@ template <typename T>
 T field_or(const json& object, const char* key, T fallback) {
   const auto it = object.find(key);
   return it == object.end() || it->is_null() ? fallback : it->get<T>();
-}
-
-Mapping mapping_from_json(const char* function, const json& j) {
-  if (!j.is_object()) {
-    throw std::invalid_argument(std::string(function) +
-                                ": mapping must be a JSON object {layer: {device: {mode: kernel}}}, got " + j.dump());
-  }
-  Mapping mapping;
-  for (const auto& [layer, devices] : j.items()) {
-    if (!devices.is_object()) {
-      throw std::invalid_argument(std::string(function) + ": layer '" + layer +
-                                  "' must map to an object {device: {mode: kernel}}, got " + devices.dump());
-    }
-    auto& by_device = mapping[layer];
-    for (const auto& [device, modes] : devices.items()) {
-      if (!modes.is_object()) {
-        throw std::invalid_argument(std::string(function) + ": layer '" + layer + "' device '" + device +
-                                    "' must map to an object {mode: kernel}, got " + modes.dump());
-      }
-      auto& by_mode = by_device[device];
-      for (const auto& [mode, kernel] : modes.items()) by_mode[parse_mode(mode)] = kernel.get<std::string>();
-    }
-  }
-  return mapping;
 }
 
 json mapping_to_json(const Mapping& mapping) {
@@ -136,6 +113,53 @@ ScopeTable& scope_table() {
 }
 
 }  // namespace
+
+namespace detail {
+
+Mapping mapping_from_json(const char* function, const json& j) {
+  if (!j.is_object()) {
+    throw std::invalid_argument(std::string(function) +
+                                ": mapping must be a JSON object {layer: {device: {mode: kernel}}}, got " + j.dump());
+  }
+  Mapping mapping;
+  for (const auto& [layer, devices] : j.items()) {
+    if (!devices.is_object()) {
+      throw std::invalid_argument(std::string(function) + ": layer '" + layer +
+                                  "' must map to an object {device: {mode: kernel}}, got " + devices.dump());
+    }
+    auto& by_device = mapping[layer];
+    for (const auto& [device, modes] : devices.items()) {
+      if (!modes.is_object()) {
+        throw std::invalid_argument(std::string(function) + ": layer '" + layer + "' device '" + device +
+                                    "' must map to an object {mode: kernel}, got " + modes.dump());
+      }
+      auto& by_mode = by_device[device];
+      for (const auto& [mode, kernel] : modes.items()) by_mode[parse_mode(mode)] = kernel.get<std::string>();
+    }
+  }
+  return mapping;
+}
+
+KernelDescriptor descriptor_from_json(const json& j, kernmap_supports_fn supports, void* user_data) {
+  if (!j.is_object() || !j.contains("name") || !j.contains("layer")) {
+    throw std::invalid_argument("kernmap_register_kernel: descriptor must be an object with \"name\" and "
+                                "\"layer\", got " + j.dump());
+  }
+  KernelDescriptor d;
+  d.name = j.at("name").get<std::string>();
+  d.layer = j.at("layer").get<std::string>();
+  d.devices = field_or(j, "devices", std::vector<std::string>{"*"});
+  d.dtypes = field_or(j, "dtypes", std::vector<std::string>{"float32", "bfloat16", "float16", "float64"});
+  d.has_backward = field_or(j, "has_backward", false);
+  d.compile_safe = field_or(j, "compile_safe", false);
+  d.deterministic = field_or(j, "deterministic", true);
+  d.op = field_or(j, "op", std::string());
+  d.description = field_or(j, "description", std::string());
+  if (supports != nullptr) d.supports = foreign_supports(supports, user_data);
+  return d;
+}
+
+}  // namespace detail
 }  // namespace kernmap
 
 using namespace kernmap;  // NOLINT(google-build-using-namespace): the C entry points below only forward
@@ -150,35 +174,20 @@ int kernmap_register_kernel(const char* descriptor_json, kernmap_supports_fn sup
                             char** error) {
   return guarded("kernmap_register_kernel", error, [&] {
     const json j = parse("kernmap_register_kernel", "descriptor_json", descriptor_json);
-    if (!j.is_object() || !j.contains("name") || !j.contains("layer")) {
-      throw std::invalid_argument("kernmap_register_kernel: descriptor must be an object with \"name\" and "
-                                  "\"layer\", got " + j.dump());
-    }
-    KernelDescriptor d;
-    d.name = j.at("name").get<std::string>();
-    d.layer = j.at("layer").get<std::string>();
-    d.devices = field_or(j, "devices", std::vector<std::string>{"*"});
-    d.dtypes = field_or(j, "dtypes", std::vector<std::string>{"float32", "bfloat16", "float16", "float64"});
-    d.has_backward = field_or(j, "has_backward", false);
-    d.compile_safe = field_or(j, "compile_safe", false);
-    d.deterministic = field_or(j, "deterministic", true);
-    d.op = field_or(j, "op", std::string());
-    d.description = field_or(j, "description", std::string());
-    if (supports != nullptr) d.supports = foreign_supports(supports, user_data);
-    register_kernel(std::move(d));
+    register_kernel(detail::descriptor_from_json(j, supports, user_data));
   });
 }
 
 int kernmap_register_mapping(const char* mapping_json, char** error) {
   return guarded("kernmap_register_mapping", error, [&] {
-    register_mapping(mapping_from_json("register_mapping",
+    register_mapping(detail::mapping_from_json("register_mapping",
                                        parse("kernmap_register_mapping", "mapping_json", mapping_json)));
   });
 }
 
 int kernmap_register_default_mapping(const char* mapping_json, char** error) {
   return guarded("kernmap_register_default_mapping", error, [&] {
-    register_default_mapping(mapping_from_json(
+    register_default_mapping(detail::mapping_from_json(
         "register_default_mapping", parse("kernmap_register_default_mapping", "mapping_json", mapping_json)));
   });
 }
@@ -206,7 +215,7 @@ int kernmap_push_scope(const char* mapping_json, int inherit, uint64_t* handle, 
   return guarded("kernmap_push_scope", error, [&] {
     if (handle == nullptr) throw std::invalid_argument("kernmap_push_scope: handle is NULL");
     Mapping mapping =
-        mapping_from_json("use_mapping", parse("kernmap_push_scope", "mapping_json", mapping_json));
+        detail::mapping_from_json("use_mapping", parse("kernmap_push_scope", "mapping_json", mapping_json));
     auto scope = std::make_unique<ScopedMapping>(std::move(mapping), inherit != 0);
     const auto key = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(scope.get()));
     ScopeTable& table = scope_table();

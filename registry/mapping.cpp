@@ -170,6 +170,12 @@ std::optional<OwnedEntries> owning_entries(const std::string& layer, const std::
   return std::nullopt;
 }
 
+bool default_maps(const std::string& layer, const std::string& device) {
+  GlobalLevels& levels = global_levels();
+  std::shared_lock lock(levels.mutex);
+  return find_entries(levels.defaults, layer, device) != nullptr;
+}
+
 std::string unknown_layer_message(const std::string& layer) {
   std::set<std::string> known;
   for (const KernelDescriptor* kernel : registered_kernels()) {

@@ -20,6 +20,9 @@ struct OwnedEntries {
 /// maps the pair.
 std::optional<OwnedEntries> owning_entries(const std::string& layer, const std::string& device);
 
+/// True when the built-in defaults level (register_default_mapping) maps (layer, device).
+bool default_maps(const std::string& layer, const std::string& device);
+
 /// "unknown layer 'X' (known: A, B)": the known layers are those with a reference kernel.
 std::string unknown_layer_message(const std::string& layer);
 

@@ -83,6 +83,24 @@ int kernmap_list_kernels(char** kernels_json, char** error);
 /* The mapping resolution sees on this thread, all levels merged. */
 int kernmap_effective_mapping(char** mapping_json, char** error);
 
+/* Plugins (include/kernmap/plugins.h, docs/plugins.md). */
+
+/* Loads plugin packages. options_json: {"paths": ["/repo", ...], "use_env_path": true (also KERNMAP_PATH),
+ * "toolkits": {"cuda": "12.8"}, "strict": false}, every field optional, unknown fields are errors (NULL means
+ * {"use_env_path": true}). *report_json receives the load report: {"process": {...}, "repositories": [{"path",
+ * "has_lock", "error"}], "packages": [{"repository", "folder", "name", "version", "description", "state"
+ * ("loaded", "skipped", "refused"), "reason", "variant", "offered", "score", "kernels", "defaults"}]}. A refused
+ * package is not an error unless "strict" is true: then the call returns KERNMAP_INVALID_ARGUMENT with the
+ * refusals in *error, and *report_json is still set. */
+int kernmap_load_plugins(const char* options_json, char** report_json, char** error);
+
+/* Every load attempt of this process so far, in the report form of kernmap_load_plugins. */
+int kernmap_plugin_report(char** report_json, char** error);
+
+/* Writes dir/kernmap.lock pinning every package of the repository dir; *lock_json receives its text. Nothing is
+ * written when any library is missing or does not match its manifest's sha256 (*error lists every problem). */
+int kernmap_write_lock(const char* dir, char** lock_json, char** error);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,7 +4,8 @@
  * loads it like this, and stops at the first step that fails, leaving the process working:
  *
  *   1. the manifest's "plugin_abi" must equal KERNMAP_PLUGIN_ABI_VERSION (checked before the library is opened);
- *   2. the library's sha256 must equal the manifest's (and the lock's, when the repository has a kernmap.lock);
+ *   2. the library's sha256 must equal the manifest's (and the lock's, when the repository has a kernmap.lock),
+ *      and the file must be an ELF shared object;
  *   3. the library is opened (dlopen, RTLD_NOW | RTLD_LOCAL) and never closed: kernels from it may run at any
  *      time until the process ends;
  *   4. kernmap_plugin_abi_version() is called first and must return KERNMAP_PLUGIN_ABI_VERSION;

@@ -3,7 +3,9 @@
 Importing this package loads the kernmap C++ library, which registers the ops under ``torch.ops.kernmap``
 (``rms_norm``, ``silu``, ``silu_and_mul``, ``swiglu``, ``grouped_mm``, ``experts`` and their ``reference_*``
 counterparts), exposes the C++ registry (one mapping for C++ and Python), registers ``"kernmap"`` as a
-transformers experts implementation, and activates the NPU mapping when ``torch_npu`` imports.
+transformers experts implementation, activates the NPU mapping when ``torch_npu`` imports, and loads the plugin
+packages of the kernel repositories in ``KERNMAP_PATH`` (a refused package is a warning, never an import error;
+``kernmap.plugin_report()`` says what happened).
 
     import kernmap
     report = kernmap.kernelize(model, mode="training")
@@ -31,11 +33,16 @@ from ._registry import (
 from . import experts  # noqa: E402 -- registers the "kernmap" experts implementation with transformers
 from ._kernelize import KernelizeError, Report, Row, kernelize
 from . import npu  # noqa: E402 -- the NPU defaults, active only when torch_npu imports
+from ._plugins import PluginError, load_plugins, plugin_report, write_lock
+from ._plugins import load_from_env_at_import as _load_from_env_at_import
 
 ops = torch.ops.kernmap
 
 __all__ = [
-    "Decision", "Kernel", "KernelizeError", "KernmapError", "Report", "Row", "clear_user_mappings",
-    "effective_mapping", "kernelize", "kernels", "library_path", "load_mapping_file", "ops", "register_default_mapping",
-    "register_kernel", "register_mapping", "resolve", "use_mapping",
+    "Decision", "Kernel", "KernelizeError", "KernmapError", "PluginError", "Report", "Row", "clear_user_mappings",
+    "effective_mapping", "kernelize", "kernels", "library_path", "load_mapping_file", "load_plugins", "ops",
+    "plugin_report", "register_default_mapping", "register_kernel", "register_mapping", "resolve", "use_mapping",
+    "write_lock",
 ]
+
+_load_from_env_at_import()

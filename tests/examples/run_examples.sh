@@ -6,7 +6,8 @@
 #   4. examples/plugin: configure + build, cmake --install into the repository WORK/repo, check the package
 #      folder and its manifest.json (docs/plugins.md: fields, sha256 of the installed library);
 #   5. tests/examples/plugin_host: load the installed plugin and check its kernels;
-#   6. (hook, after merge) kernmap plan with KERNMAP_PATH=WORK/repo and a mapping file.
+#   6. KERNMAP_PATH=WORK/repo: kernmap kernels shows the plugin loaded, kernmap plan --mapping FILE chooses its
+#      RMSNorm kernel, kernmap lock pins it, and a changed library is refused with a clear error.
 # Ninja, and ccache when present; WORK is emptied first and left behind for inspection.
 set -euo pipefail
 
@@ -125,16 +126,47 @@ step "tests/examples/plugin_host: load the installed plugin and check its kernel
 "$cmake" --build "$work/plugin_host" || fail "building tests/examples/plugin_host"
 "$work/plugin_host/plugin_host" "$repo/kmexample" || fail "plugin_host"
 
-# ---- HOOK (lead, after merging the plugins and mapping-files branches) --------------------------------------
-# kernmap loads the repository through KERNMAP_PATH and a mapping file selects the plugin's CPU kernel; plan
-# must show kmexample/rms_norm for every RMSNorm. The mapping below is written in the C API's JSON shape
-# (include/kernmap/c_api.h); adjust it to the mapping-file format if that differs.
-cat >"$work/mapping.json" <<'JSON'
-{"RMSNorm": {"cpu": {"training": "kmexample/rms_norm", "inference": "kmexample/rms_norm"}}}
-JSON
-# step "kernmap plan with KERNMAP_PATH=$repo and --mapping $work/mapping.json"
-# KERNMAP_PATH="$repo" "$prefix/bin/kernmap" plan --preset qwen2-tiny --mapping "$work/mapping.json" | tee "$work/plan.txt"
-# grep -q 'kmexample/rms_norm' "$work/plan.txt" || fail "kernmap plan does not choose kmexample/rms_norm"
-# ---- end of HOOK ---------------------------------------------------------------------------------------------
+step "KERNMAP_PATH=$repo: kernmap kernels lists kmexample as loaded"
+KERNMAP_PATH="$repo" "$prefix/bin/kernmap" kernels >"$work/kernels-repo.txt" 2>&1 ||
+  { cat "$work/kernels-repo.txt"; fail "kernmap kernels with KERNMAP_PATH=$repo"; }
+sed -n '/Kernel repositories/,$p' "$work/kernels-repo.txt"
+grep -Eq 'kmexample.*0\.1\.0.*loaded' "$work/kernels-repo.txt" || fail "kernmap kernels does not show kmexample 0.1.0 loaded"
+grep -q 'kmexample/rms_norm_npu' "$work/kernels-repo.txt" || fail "kernmap kernels does not list kmexample/rms_norm_npu"
+# The plugin's default covers the device kernmap does not map (npu); the CPU default stays kernmap's own.
+grep -Eq '^RMSNorm +npu +training +kmexample/rms_norm_npu' "$work/kernels-repo.txt" ||
+  fail "RMSNorm on npu does not resolve to the plugin's default kmexample/rms_norm_npu"
+
+step "kernmap plan: the mapping file chooses the plugin's kernel for every RMSNorm"
+cat >"$work/mapping.toml" <<'TOML'
+# RMSNorm on CPU from the kmexample plugin, training and inference
+[RMSNorm.cpu]
+training = "kmexample/rms_norm"
+inference = "kmexample/rms_norm"
+TOML
+plan() { KERNMAP_PATH="$1" "$prefix/bin/kernmap" plan --preset qwen2-tiny "${@:2}"; }
+plan "$repo" >"$work/plan-default.txt" || { cat "$work/plan-default.txt"; fail "kernmap plan without a mapping"; }
+grep -q 'kmexample' "$work/plan-default.txt" && fail "without a mapping file, plan chose a plugin kernel"
+plan "$repo" --mapping "$work/mapping.toml" | tee "$work/plan.txt" || fail "kernmap plan --mapping"
+[ "$(grep -c 'RMSNorm *kmexample/rms_norm ' "$work/plan.txt")" = 5 ] ||
+  fail "kernmap plan does not choose kmexample/rms_norm for the 5 RMSNorm layers of qwen2-tiny"
+
+step "kernmap lock: the locked repository still loads; a changed library is refused with a clear error"
+"$prefix/bin/kernmap" lock "$repo" || fail "kernmap lock $repo"
+grep -q "\"kmexample\"" "$repo/kernmap.lock" || fail "kernmap.lock does not pin kmexample"
+plan "$repo" --mapping "$work/mapping.toml" | grep -q 'kmexample/rms_norm' || fail "the locked repository: plan"
+cp -r "$repo" "$work/tampered"
+printf 'x' >>"$work/tampered/kmexample/lib/libkmexample.so"
+KERNMAP_PATH="$work/tampered" "$prefix/bin/kernmap" kernels >"$work/kernels-tampered.txt" 2>&1 || true
+grep -Eq 'kmexample.*refused' "$work/kernels-tampered.txt" && grep -q 'sha256' "$work/kernels-tampered.txt" ||
+  { cat "$work/kernels-tampered.txt"; fail "a changed library is not refused for its sha256"; }
+# The mapping file then names a kernel nobody registered: the command stops with the location and exit code 2.
+set +e
+plan "$work/tampered" --mapping "$work/mapping.toml" >"$work/plan-tampered.txt" 2>&1
+status=$?
+set -e
+[ "$status" = 2 ] || { cat "$work/plan-tampered.txt"; fail "plan with a refused plugin's kernel exited $status, not 2"; }
+grep -q 'mapping.toml:3' "$work/plan-tampered.txt" && grep -q 'kmexample/rms_norm' "$work/plan-tampered.txt" ||
+  { cat "$work/plan-tampered.txt"; fail "the error does not name the file, the line and the kernel"; }
+grep -E 'refused|mapping.toml' "$work/kernels-tampered.txt" "$work/plan-tampered.txt" | head -4
 
 step "PASS"
