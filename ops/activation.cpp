@@ -22,8 +22,9 @@ at::Tensor silu_cpu(const at::Tensor& x) {
   at::Tensor y = at::empty(x.sizes(), x.options());
   const Rows xr = as_rows(x);
   const auto& k = cpu::kernel_table();
+  const bool stream = stream_outputs(2 * x.numel() * x.element_size());
   at::parallel_for(0, xr.rows, row_grain(xr.cols), [&](int64_t r0, int64_t r1) {
-    k.silu_fwd(cpu_dtype(x.scalar_type()), xr.data(), xr.stride, y.data_ptr(), r0, r1, xr.cols);
+    k.silu_fwd(cpu_dtype(x.scalar_type()), xr.data(), xr.stride, y.data_ptr(), r0, r1, xr.cols, stream);
   });
   return y;
 }
@@ -37,9 +38,10 @@ at::Tensor silu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& x) {
   const Rows xr = as_rows(x);
   const Rows gr = as_rows(grad_y);
   const auto& k = cpu::kernel_table();
+  const bool stream = stream_outputs(3 * x.numel() * x.element_size());
   at::parallel_for(0, xr.rows, row_grain(xr.cols), [&](int64_t r0, int64_t r1) {
     k.silu_bwd(cpu_dtype(x.scalar_type()), gr.data(), gr.stride, xr.data(), xr.stride, dx.data_ptr(), r0, r1,
-               xr.cols);
+               xr.cols, stream);
   });
   return dx;
 }
@@ -84,9 +86,10 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   const Rows g = as_rows(gate);
   const Rows u = as_rows(up);
   const auto& k = cpu::kernel_table();
+  const bool stream = stream_outputs(3 * gate.numel() * gate.element_size());
   at::parallel_for(0, g.rows, row_grain(g.cols), [&](int64_t r0, int64_t r1) {
     k.silu_and_mul_fwd(cpu_dtype(gate.scalar_type()), g.data(), g.stride, u.data(), u.stride, y.data_ptr(), r0, r1,
-                       g.cols);
+                       g.cols, stream);
   });
   return y;
 }
@@ -103,9 +106,10 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_backward_cpu(const at::Tensor& g
   const Rows g = as_rows(gate);
   const Rows u = as_rows(up);
   const auto& k = cpu::kernel_table();
+  const bool stream = stream_outputs(5 * gate.numel() * gate.element_size());
   at::parallel_for(0, g.rows, row_grain(g.cols), [&](int64_t r0, int64_t r1) {
     k.silu_and_mul_bwd(cpu_dtype(gate.scalar_type()), d.data(), d.stride, g.data(), g.stride, u.data(), u.stride,
-                       dg.data_ptr(), g.cols, du.data_ptr(), g.cols, r0, r1, g.cols);
+                       dg.data_ptr(), g.cols, du.data_ptr(), g.cols, r0, r1, g.cols, stream);
   });
   return {dg, du};
 }
@@ -163,9 +167,10 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_up) {
   const int64_t elem = gate_up.element_size();
   const char* base = static_cast<const char*>(gu.data());
   const auto& k = cpu::kernel_table();
+  const bool stream = stream_outputs(3 * y.numel() * elem);
   at::parallel_for(0, gu.rows, row_grain(I), [&](int64_t r0, int64_t r1) {
     k.silu_and_mul_fwd(cpu_dtype(gate_up.scalar_type()), base, gu.stride, base + I * elem, gu.stride, y.data_ptr(),
-                       r0, r1, I);
+                       r0, r1, I, stream);
   });
   return y;
 }
@@ -183,9 +188,10 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& gate_
   const char* base = static_cast<const char*>(gu.data());
   char* dbase = static_cast<char*>(dgu.data_ptr());
   const auto& k = cpu::kernel_table();
+  const bool stream = stream_outputs(5 * grad_y.numel() * elem);
   at::parallel_for(0, gu.rows, row_grain(I), [&](int64_t r0, int64_t r1) {
     k.silu_and_mul_bwd(cpu_dtype(gate_up.scalar_type()), d.data(), d.stride, base, gu.stride, base + I * elem,
-                       gu.stride, dbase, 2 * I, dbase + I * elem, 2 * I, r0, r1, I);
+                       gu.stride, dbase, 2 * I, dbase + I * elem, 2 * I, r0, r1, I, stream);
   });
   return dgu;
 }

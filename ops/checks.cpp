@@ -1,5 +1,7 @@
 #include "ops/checks.h"
 
+#include <unistd.h>
+
 #include <c10/util/Exception.h>
 
 namespace kernmap::ops {
@@ -69,5 +71,13 @@ cpu::DType cpu_dtype(at::ScalarType t) {
 at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+
+bool stream_outputs(int64_t bytes) {
+  static const int64_t llc = [] {
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return l3 > 0 ? static_cast<int64_t>(l3) : int64_t{32} << 20;
+  }();
+  return bytes > llc;
+}
 
 }  // namespace kernmap::ops

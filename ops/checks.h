@@ -44,4 +44,10 @@ c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
 /// Rows per at::parallel_for chunk so each chunk has at least ~32 K elements.
 int64_t row_grain(int64_t cols);
 
+/// Whether a call that reads and writes `bytes` in all should write its large outputs with streaming stores:
+/// true when they exceed the last-level cache (sysconf's L3 size, 32 MiB where it reports none), so the
+/// outputs could not stay cached for their consumer anyway, and streaming saves the read-for-ownership of each
+/// written line and keeps the inputs cached (docs/ops.md, "CPU kernels").
+bool stream_outputs(int64_t bytes);
+
 }  // namespace kernmap::ops

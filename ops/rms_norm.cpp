@@ -47,9 +47,10 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& x, const at::Te
   const auto& k = cpu::kernel_table();
   const auto xt = cpu_dtype(x.scalar_type());
   const auto yt = cpu_dtype(out_t);
+  const bool stream = stream_outputs(x.numel() * (x.element_size() + y.element_size()));
   at::parallel_for(0, xr.rows, row_grain(xr.cols), [&](int64_t r0, int64_t r1) {
     k.rms_norm_fwd(xt, yt, xr.data(), xr.stride, w.const_data_ptr(), y.data_ptr(), rstd.data_ptr(), r0, r1, xr.cols,
-                   eps);
+                   eps, stream);
   });
   return {y, rstd};
 }
@@ -82,11 +83,12 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_y, const 
   const auto xt = cpu_dtype(x.scalar_type());
   const auto yt = cpu_dtype(out_t);
   const int64_t elem = partial.element_size();
+  const bool stream = stream_outputs(x.numel() * (2 * x.element_size() + grad_y.element_size()));
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = xr.rows * b / blocks, r1 = xr.rows * (b + 1) / blocks;
       k.rms_norm_bwd(xt, yt, gr.data(), gr.stride, xr.data(), xr.stride, w.const_data_ptr(), rs.const_data_ptr(),
-                     dx.data_ptr(), static_cast<char*>(partial.data_ptr()) + b * H * elem, r0, r1, H);
+                     dx.data_ptr(), static_cast<char*>(partial.data_ptr()) + b * H * elem, r0, r1, H, stream);
     }
   });
   // Columns are independent; the block order within each column is fixed.

@@ -7,7 +7,7 @@ namespace KERNMAP_CPU_LEVEL {
 namespace {
 
 // Scalar math: y = round(x * sigmoid(x))
-template <class T>
+template <bool Stream, class T>
 void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) {
   using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
@@ -16,7 +16,7 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
     T* yr = y + r * n;
     for (int64_t i = 0; i < nb; i += kBlock) {
       auto v = load<A>(xr + i);
-      store(yr + i, v * sigmoid(v));
+      store_out<Stream>(yr + i, v * sigmoid(v));
     }
     for (int64_t i = nb; i < n; ++i) {
       A v = to_acc<A>(xr[i]);
@@ -38,7 +38,7 @@ inline A dsilu_scalar(A x) {
 }
 
 // Scalar math: dx = round(dy * dsilu(x))
-template <class T>
+template <bool Stream, class T>
 void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int64_t r0, int64_t r1, int64_t n) {
   using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
@@ -46,13 +46,13 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
     const T* xr = x + r * xs;
     const T* dyr = dy + r * dys;
     T* dxr = dx + r * n;
-    for (int64_t i = 0; i < nb; i += kBlock) store(dxr + i, load<A>(dyr + i) * dsilu(load<A>(xr + i)));
+    for (int64_t i = 0; i < nb; i += kBlock) store_out<Stream>(dxr + i, load<A>(dyr + i) * dsilu(load<A>(xr + i)));
     for (int64_t i = nb; i < n; ++i) dxr[i] = from_acc<T>(to_acc<A>(dyr[i]) * dsilu_scalar(to_acc<A>(xr[i])));
   }
 }
 
 // Scalar math: s = round(silu(g)); y = round(s * u)
-template <class T>
+template <bool Stream, class T>
 void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int64_t r0, int64_t r1, int64_t n) {
   using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
@@ -62,7 +62,7 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
     T* yr = y + r * n;
     for (int64_t i = 0; i < nb; i += kBlock) {
       auto a = load<A>(gr + i);
-      store(yr + i, round_block<T>(a * sigmoid(a)) * load<A>(ur + i));
+      store_out<Stream>(yr + i, round_block<T>(a * sigmoid(a)) * load<A>(ur + i));
     }
     for (int64_t i = nb; i < n; ++i) {
       A a = to_acc<A>(gr[i]);
@@ -72,7 +72,7 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
 }
 
 // Scalar math: s = round(silu(g)); du = round(dy * s); dg = round(dsilu(g) * round(dy * u))
-template <class T>
+template <bool Stream, class T>
 void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, const T* u, int64_t us, T* dg,
                            int64_t dgs, T* du, int64_t dus, int64_t r0, int64_t r1, int64_t n) {
   using A = Acc<T>;
@@ -87,8 +87,8 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
       auto d = load<A>(dyr + i);
       auto a = load<A>(gr + i);
       auto sg = sigmoid(a);
-      store(dur + i, d * round_block<T>(a * sg));
-      store(dgr + i, round_block<T>(d * load<A>(ur + i)) * (sg * (1 + a * (1 - sg))));
+      store_out<Stream>(dur + i, d * round_block<T>(a * sg));
+      store_out<Stream>(dgr + i, round_block<T>(d * load<A>(ur + i)) * (sg * (1 + a * (1 - sg))));
     }
     for (int64_t i = nb; i < n; ++i) {
       A d = to_acc<A>(dyr[i]);
@@ -99,42 +99,64 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
   }
 }
 
+// Runs rows<true> (streaming stores, then a fence) when asked and every output allows it, else rows<false>.
+template <class Rows>
+void with_stores(bool stream, bool outputs_allow, Rows&& rows) {
+  if (stream && outputs_allow) {
+    rows(std::true_type{});
+    stream_fence();
+  } else {
+    rows(std::false_type{});
+  }
+}
+
 }  // namespace
 
 void silu_fwd(DType dtype, const void* x, int64_t x_stride, void* y, int64_t row_begin, int64_t row_end,
-              int64_t n) {
+              int64_t n, bool stream) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_rows<T>(static_cast<const T*>(x), x_stride, static_cast<T*>(y), row_begin, row_end, n);
+    with_stores(stream, can_stream(static_cast<T*>(y), n), [&](auto s) {
+      silu_rows<decltype(s)::value, T>(static_cast<const T*>(x), x_stride, static_cast<T*>(y), row_begin, row_end,
+                                       n);
+    });
   });
 }
 
 void silu_bwd(DType dtype, const void* dy, int64_t dy_stride, const void* x, int64_t x_stride, void* dx,
-              int64_t row_begin, int64_t row_end, int64_t n) {
+              int64_t row_begin, int64_t row_end, int64_t n, bool stream) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_bwd_rows<T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(x), x_stride, static_cast<T*>(dx),
-                     row_begin, row_end, n);
+    with_stores(stream, can_stream(static_cast<T*>(dx), n), [&](auto s) {
+      silu_bwd_rows<decltype(s)::value, T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(x), x_stride,
+                                           static_cast<T*>(dx), row_begin, row_end, n);
+    });
   });
 }
 
 void silu_and_mul_fwd(DType dtype, const void* gate, int64_t gate_stride, const void* up, int64_t up_stride,
-                      void* y, int64_t row_begin, int64_t row_end, int64_t n) {
+                      void* y, int64_t row_begin, int64_t row_end, int64_t n, bool stream) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_and_mul_rows<T>(static_cast<const T*>(gate), gate_stride, static_cast<const T*>(up), up_stride,
-                         static_cast<T*>(y), row_begin, row_end, n);
+    with_stores(stream, can_stream(static_cast<T*>(y), n), [&](auto s) {
+      silu_and_mul_rows<decltype(s)::value, T>(static_cast<const T*>(gate), gate_stride, static_cast<const T*>(up),
+                                               up_stride, static_cast<T*>(y), row_begin, row_end, n);
+    });
   });
 }
 
 void silu_and_mul_bwd(DType dtype, const void* dy, int64_t dy_stride, const void* gate, int64_t gate_stride,
                       const void* up, int64_t up_stride, void* d_gate, int64_t d_gate_stride, void* d_up,
-                      int64_t d_up_stride, int64_t row_begin, int64_t row_end, int64_t n) {
+                      int64_t d_up_stride, int64_t row_begin, int64_t row_end, int64_t n, bool stream) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_and_mul_bwd_rows<T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(gate), gate_stride,
-                             static_cast<const T*>(up), up_stride, static_cast<T*>(d_gate), d_gate_stride,
-                             static_cast<T*>(d_up), d_up_stride, row_begin, row_end, n);
+    const bool allow = can_stream(static_cast<T*>(d_gate), d_gate_stride) && can_stream(static_cast<T*>(d_up), d_up_stride);
+    with_stores(stream, allow, [&](auto s) {
+      silu_and_mul_bwd_rows<decltype(s)::value, T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(gate),
+                                                   gate_stride, static_cast<const T*>(up), up_stride,
+                                                   static_cast<T*>(d_gate), d_gate_stride, static_cast<T*>(d_up),
+                                                   d_up_stride, row_begin, row_end, n);
+    });
   });
 }
 

@@ -9,7 +9,7 @@ namespace {
 
 // Scalar math:
 //   h = float(x); r = 1 / sqrt(sum(h^2) / H + eps); n = round_X(h * r); y = round_Y(w * n)
-template <class X, class Y>
+template <bool Stream, class X, class Y>
 void fwd_rows(const X* x, int64_t xs, const Acc<X>* w, Y* y, Acc<X>* rstd, int64_t r0, int64_t r1, int64_t H,
               double eps) {
   using A = Acc<X>;
@@ -32,7 +32,7 @@ void fwd_rows(const X* x, int64_t xs, const Acc<X>* w, Y* y, Acc<X>* rstd, int64
     rstd[r] = rs;
     for (int64_t i = 0; i < Hb; i += kBlock) {
       V n = round_block<X>(load<A>(xr + i) * rs);
-      store(yr + i, load<A>(w + i) * n);
+      store_out<Stream>(yr + i, load<A>(w + i) * n);
     }
     for (int64_t i = Hb; i < H; ++i) yr[i] = from_acc<Y>(w[i] * round_to<X>(to_acc<A>(xr[i]) * rs));
   }
@@ -40,7 +40,7 @@ void fwd_rows(const X* x, int64_t xs, const Acc<X>* w, Y* y, Acc<X>* rstd, int64
 
 // Scalar math (g is the gradient reaching round_X(h * r), rounded to X as the eager autograd does):
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
-template <class X, class Y>
+template <bool Stream, class X, class Y>
 void bwd_rows(const Y* dy, int64_t dys, const X* x, int64_t xs, const Acc<X>* w, const Acc<X>* rstd, X* dx,
               Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
   using A = Acc<X>;
@@ -63,7 +63,7 @@ void bwd_rows(const Y* dy, int64_t dys, const X* x, int64_t xs, const Acc<X>* w,
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
       V g = round_block<X>(d * load<A>(w + i));
-      store(dxr + i, rs * g - c * h);
+      store_out<Stream>(dxr + i, rs * g - c * h);
       store(dw + i, load<A>(dw + i) + d * round_block<X>(h * rs));
     }
     for (int64_t i = Hb; i < H; ++i) {
@@ -90,24 +90,40 @@ void dispatch_xy(DType xt, DType yt, F&& f) {
 }  // namespace
 
 void rms_norm_fwd(DType x_dtype, DType y_dtype, const void* x, int64_t x_stride, const void* w, void* y,
-                  void* rstd, int64_t row_begin, int64_t row_end, int64_t H, double eps) {
+                  void* rstd, int64_t row_begin, int64_t row_end, int64_t H, double eps, bool stream) {
   dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
     using X = decltype(x_tag);
     using Y = decltype(y_tag);
-    fwd_rows<X, Y>(static_cast<const X*>(x), x_stride, static_cast<const Acc<X>*>(w), static_cast<Y*>(y),
-                   static_cast<Acc<X>*>(rstd), row_begin, row_end, H, eps);
+    auto run = [&](auto rows) {
+      rows(static_cast<const X*>(x), x_stride, static_cast<const Acc<X>*>(w), static_cast<Y*>(y),
+           static_cast<Acc<X>*>(rstd), row_begin, row_end, H, eps);
+    };
+    if (stream && can_stream(static_cast<Y*>(y), H)) {
+      run(fwd_rows<true, X, Y>);
+      stream_fence();
+    } else {
+      run(fwd_rows<false, X, Y>);
+    }
   });
 }
 
 void rms_norm_bwd(DType x_dtype, DType y_dtype, const void* dy, int64_t dy_stride, const void* x,
                   int64_t x_stride, const void* w, const void* rstd, void* dx, void* dw_acc, int64_t row_begin,
-                  int64_t row_end, int64_t H) {
+                  int64_t row_end, int64_t H, bool stream) {
   dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
     using X = decltype(x_tag);
     using Y = decltype(y_tag);
-    bwd_rows<X, Y>(static_cast<const Y*>(dy), dy_stride, static_cast<const X*>(x), x_stride,
-                   static_cast<const Acc<X>*>(w), static_cast<const Acc<X>*>(rstd), static_cast<X*>(dx),
-                   static_cast<Acc<X>*>(dw_acc), row_begin, row_end, H);
+    auto run = [&](auto rows) {
+      rows(static_cast<const Y*>(dy), dy_stride, static_cast<const X*>(x), x_stride, static_cast<const Acc<X>*>(w),
+           static_cast<const Acc<X>*>(rstd), static_cast<X*>(dx), static_cast<Acc<X>*>(dw_acc), row_begin, row_end,
+           H);
+    };
+    if (stream && can_stream(static_cast<X*>(dx), H)) {
+      run(bwd_rows<true, X, Y>);
+      stream_fence();
+    } else {
+      run(bwd_rows<false, X, Y>);
+    }
   });
 }
 

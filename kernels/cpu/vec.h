@@ -186,17 +186,39 @@ inline VU bf16_round_high(VF v) {
 // treats subnormal floats as zero, where torch's conversion rounds them (to a bf16 subnormal, or up to
 // FLT_MIN): the price of replacing about seven instructions by one. Only results below 1.2e-38 in magnitude
 // differ.
-inline void store_native(BFloat16* p, VF v) {
+#if defined(__AVX2__)
+// A block rounded to bfloat16 / float16, packed into the low bytes of one register (32 bytes with AVX-512, 16
+// with AVX2): what store_native writes, also streamed by store_out.
+#if defined(__AVX512F__)
+using Packed16 = __m256i;
+#else
+using Packed16 = __m128i;
+#endif
+inline Packed16 pack16(VF v, BFloat16) {
 #if defined(__AVX512BF16__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+  return (__m256i)_mm512_cvtneps_pbh(v);
 #elif defined(__AVX512F__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16((__m512i)(bf16_round_high(v) >> 16)));
-#elif defined(__AVX2__)
+  return _mm512_cvtepi32_epi16((__m512i)(bf16_round_high(v) >> 16));
+#else
   // The arithmetic shift sign-extends the high half, so the signed saturating pack keeps it unchanged.
   __m256i h = _mm256_srai_epi32((__m256i)bf16_round_high(v), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packs_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  return _mm_packs_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+#endif
+}
+inline Packed16 pack16(VF v, Float16) {
+#if defined(__AVX512F__)
+  return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+}
+#endif
+
+inline void store_native(BFloat16* p, VF v) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack16(v, BFloat16{}));
+#elif defined(__AVX2__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack16(v, BFloat16{}));
 #else
   __m128i h = _mm_srai_epi32((__m128i)bf16_round_high(v), 16);
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(h, h));
@@ -204,9 +226,9 @@ inline void store_native(BFloat16* p, VF v) {
 }
 inline void store_native(Float16* p, VF v) {
 #if defined(__AVX512F__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack16(v, Float16{}));
 #elif defined(__AVX2__) && defined(__F16C__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack16(v, Float16{}));
 #else
   for (int j = 0; j < kBlock; ++j) p[j] = to_f16(v[j]);
 #endif
@@ -232,6 +254,64 @@ inline void store(T* p, V v) {
     store_native(p, __builtin_convertvector(v, N));
   }
 }
+// ---- streaming (non-temporal) stores ------------------------------------------------------------------
+// For outputs too large to stay in the cache: the block goes to memory without the read-for-ownership of a
+// normal store and without evicting the inputs. The values written are those of store(); only the cache
+// behaviour differs. Each needs its address aligned to the block's byte width (checked by can_stream), and a
+// stream_fence() before another thread reads the data.
+
+/// Whether a block of T can be streamed at this level (float, bfloat16 and float16 from AVX2 on).
+template <class T>
+inline constexpr bool kStreamable =
+#if defined(__AVX2__)
+    std::is_same_v<T, float> || std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16>;
+#else
+    false;
+#endif
+
+/// True when rows of T starting at p, `stride` elements apart, can all be streamed block by block from
+/// their start.
+template <class T>
+inline bool can_stream(const T* p, int64_t stride) {
+  if constexpr (kStreamable<T>) {
+    constexpr uintptr_t width = kBlock * sizeof(T);
+    return reinterpret_cast<uintptr_t>(p) % width == 0 && (stride * sizeof(T)) % width == 0;
+  } else {
+    return false;
+  }
+}
+
+inline void stream_fence() {
+#if defined(__AVX2__)
+  _mm_sfence();
+#endif
+}
+
+/// store(p, v) as a streaming store when Stream (p aligned as can_stream checks); a normal store otherwise.
+template <bool Stream, class T, class V>
+inline void store_out(T* p, V v) {
+  if constexpr (!Stream || !kStreamable<T>) {
+    store(p, v);
+  } else {
+#if defined(__AVX2__)
+    VF f = __builtin_convertvector(v, VF);
+    if constexpr (std::is_same_v<T, float>) {
+#if defined(__AVX512F__)
+      _mm512_stream_ps(p, f);
+#else
+      _mm256_stream_ps(p, f);
+#endif
+    } else {
+#if defined(__AVX512F__)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack16(f, T{}));
+#else
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack16(f, T{}));
+#endif
+    }
+#endif
+  }
+}
+
 /// A block rounded to T's precision, kept in its own type.
 template <class T, class V>
 inline V round_block(V v) {

@@ -101,8 +101,30 @@ def _silu_forward(kernel: Callable):
     return forward
 
 
+def _plain_linear(proj: nn.Module) -> bool:
+    """An nn.Linear itself (not a subclass such as a quantized or adapter layer), without bias or hooks: its
+    forward is exactly ``x @ weight.T``, so the product may be computed in another orientation."""
+    return (type(proj) is nn.Linear and proj.bias is None and not proj._forward_hooks
+            and not proj._forward_pre_hooks)
+
+
+def _weights_first(module: nn.Module, x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dim() >= 1 and x.dtype == module.gate_proj.weight.dtype
+            and all(_plain_linear(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj")))
+
+
 def _gated_mlp_forward(kernel: Callable):
     def forward(self, x):
+        if _weights_first(self, x):
+            # The same products with the weight as the left operand: gate^T = W_gate x^T is [I, tokens], and
+            # silu_and_mul is elementwise, so it runs on the transposed pair as it is. On CPU the BLAS (oneDNN)
+            # computes W x^T faster than x W^T when tokens are few (measured: python -m kernmap.bench, GatedMLP;
+            # docs/python.md), and autograd's matrix-product backward keeps every weight gradient in the
+            # weight's own layout. Each element's sum runs over the same K values in fp32.
+            x2 = x.reshape(-1, x.shape[-1]).t()
+            h = kernel(torch.mm(self.gate_proj.weight, x2), torch.mm(self.up_proj.weight, x2))
+            y = torch.mm(self.down_proj.weight, h).t().contiguous()
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return self.down_proj(kernel(self.gate_proj(x), self.up_proj(x)))
 
     return forward

@@ -113,6 +113,73 @@ TEST_P(CpuKernels, SiluAndMulForwardBackwardMatchesReference) {
   }
 }
 
+kernmap::cpu::DType kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kernmap::cpu::DType::kFloat32;
+    case at::kBFloat16:
+      return kernmap::cpu::DType::kBFloat16;
+    case at::kHalf:
+      return kernmap::cpu::DType::kFloat16;
+    default:
+      return kernmap::cpu::DType::kFloat64;
+  }
+}
+
+// Streaming stores (asked for by the ops when outputs exceed the last-level cache) write the same bits as
+// normal stores: on aligned rows (where they are taken), on rows a stride away that breaks the alignment, on
+// a misaligned start and on widths with scalar tails (where the kernels fall back to normal stores).
+TEST_P(CpuKernels, StreamingStoresWriteTheSameBits) {
+  const auto& k = kernmap::cpu::kernel_table();
+  const auto dt = kernel_dtype(dtype());
+  const at::ScalarType acc = dtype() == at::kDouble ? at::kDouble : at::kFloat;
+  for (int64_t n : {64, 80, 37}) {
+    for (int64_t offset : {0, 1}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + " offset=" + std::to_string(offset));
+      const int64_t rows = 5;
+      auto input = [&] { return at::randn({rows, n}, at::kDouble).to(dtype()); };
+      const at::Tensor x = input(), u = input(), dy = input();
+      const at::Tensor w = (1 + 0.1 * at::randn({n}, at::kDouble)).to(acc);
+      // Output buffers [rows, n] starting `offset` elements into a fresh allocation (64-byte aligned).
+      auto out = [&](int64_t cols = -1) {
+        cols = cols < 0 ? n : cols;
+        return at::full({rows * cols + offset}, 7.0, at::TensorOptions(dtype())).narrow(0, offset, rows * cols);
+      };
+      auto same = [&](const at::Tensor& a, const at::Tensor& b) {
+        EXPECT_TRUE(at::equal(a.view(a.element_size() == 8 ? at::kLong : a.element_size() == 4 ? at::kInt : at::kShort),
+                              b.view(b.element_size() == 8 ? at::kLong : b.element_size() == 4 ? at::kInt : at::kShort)));
+      };
+      std::vector<at::Tensor> results[2];
+      for (bool stream : {false, true}) {
+        auto& r = results[stream];
+        at::Tensor y = out(), rstd = at::empty({rows}, at::TensorOptions(acc));
+        k.rms_norm_fwd(dt, dt, x.const_data_ptr(), n, w.const_data_ptr(), y.data_ptr(), rstd.data_ptr(), 0, rows, n,
+                       1e-6, stream);
+        at::Tensor dx = out(), dw = at::zeros({n}, at::TensorOptions(acc));
+        k.rms_norm_bwd(dt, dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, w.const_data_ptr(), rstd.const_data_ptr(),
+                       dx.data_ptr(), dw.data_ptr(), 0, rows, n, stream);
+        at::Tensor s = out(), ds = out(), sm = out();
+        k.silu_fwd(dt, x.const_data_ptr(), n, s.data_ptr(), 0, rows, n, stream);
+        k.silu_bwd(dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, ds.data_ptr(), 0, rows, n, stream);
+        k.silu_and_mul_fwd(dt, x.const_data_ptr(), n, u.const_data_ptr(), n, sm.data_ptr(), 0, rows, n, stream);
+        // Backward into a packed [rows, 2n] gradient, as swiglu_backward writes it.
+        at::Tensor packed = out(2 * n);
+        const int64_t half = n * packed.element_size();
+        k.silu_and_mul_bwd(dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, u.const_data_ptr(), n,
+                           packed.data_ptr(), 2 * n, static_cast<char*>(packed.data_ptr()) + half, 2 * n, 0, rows,
+                           n, stream);
+        r = {y, rstd, dx, dw, s, ds, sm, packed};
+      }
+      for (size_t i = 0; i < results[0].size(); ++i) {
+        SCOPED_TRACE("output " + std::to_string(i));
+        same(results[0][i], results[1][i]);
+      }
+      // And the values are the kernels' (a skipped block would still hold the 7.0 fill).
+      EXPECT_FALSE(at::any(results[1][0] == 7.0).item<bool>());
+    }
+  }
+}
+
 TEST_P(CpuKernels, SwigluAndSiluMatchReference) {
   for (int64_t I : {1, 7, 769}) {
     at::Tensor gu0 = at::randn({2, 3, 2 * I}, at::kDouble).to(dtype());

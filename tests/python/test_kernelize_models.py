@@ -137,3 +137,74 @@ def test_kernelize_twice_rebinds_and_fallback_restores_original_forward(monkeypa
     assert len(report.fallbacks) == len(report)
     assert norm.forward.__func__ is original.__func__
     assert "forward" not in norm.__dict__
+
+
+def _mlp_pair(dtype, bias=False):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    model = LlamaMLP(LlamaConfig(hidden_size=48, intermediate_size=80, num_attention_heads=4, num_key_value_heads=4, mlp_bias=bias)).to(dtype)
+    kernelized, report = kernelized_copy(model, mode="training", device="cpu")
+    assert [(r.layer, r.kernel) for r in report.rows if r.path == ""] == [("SiluAndMul", "kernmap/silu_and_mul")]
+    return model, kernelized
+
+
+class _RecordFunctions(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_backward(module, x, dy, record=None):
+    x = x.detach().clone().requires_grad_(True)
+    with record or _RecordFunctions():
+        y = module(x)
+    y.backward(dy)
+    return y.detach(), x.grad, [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("leading", [(), (7,), (2, 5)])
+def test_gated_mlp_matches_eager_in_both_product_orientations(dtype, bias, leading):
+    """Bias-free plain nn.Linear projections on CPU take the weights-first products (W x^T); with biases the
+    module's own linears run. Either way: output, input gradient and every weight gradient match eager (bf16
+    exactly: same fp32 sums, same roundings), and every result keeps its usual contiguous layout."""
+    model, kernelized = _mlp_pair(dtype, bias)
+    x = torch.randn(*leading, 48).to(dtype)
+    dy = torch.randn(*leading, 48).to(dtype)
+    y, dx, grads = _forward_backward(model, x, dy)
+    record = _RecordFunctions()
+    k_y, k_dx, k_grads = _forward_backward(kernelized, x, dy, record)
+    assert (record.names.count("mm"), record.names.count("linear")) == ((0, 3) if bias else (3, 0)), record.names
+    tol = FP32 if dtype is torch.float32 else dict(rtol=0, atol=0)
+    assert k_y.shape == y.shape and k_y.is_contiguous()
+    torch.testing.assert_close(k_y, y, **tol)
+    torch.testing.assert_close(k_dx, dx, **tol)
+    for g, k_g in zip(grads, k_grads):
+        assert k_g.is_contiguous() and k_g.stride() == g.stride()
+        torch.testing.assert_close(k_g, g, **tol)
+
+
+def test_gated_mlp_keeps_hooks_and_linear_subclasses_of_its_projections():
+    """A hooked or subclassed projection (adapters, quantized linears) is called as a module, never bypassed."""
+    model, kernelized = _mlp_pair(torch.float32)
+    calls = []
+    kernelized.up_proj.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(kernelized(x), model(x), **FP32)
+    assert calls == [torch.Size([3, 80])]
+
+    class ScaledLinear(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    scaled = ScaledLinear(80, 48, bias=False)
+    scaled.weight = kernelized.down_proj.weight
+    kernelized.down_proj = scaled
+    torch.testing.assert_close(kernelized(x), 2 * model(x), **FP32)
