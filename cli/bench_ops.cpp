@@ -30,7 +30,7 @@ struct Options {
   bool json = false;
   std::string filter;
   std::string shape;  // regex over the case's shape ("E128 k8 H2048 I768 T256", "[4096, 3584]")
-  std::string impl;   // regex over implementation names
+  std::string impl;   // regex over "op/pass/implementation" ("experts/fwd+bwd/reference")
   int warmup = 3;
   int reps = 11;
 };
@@ -178,7 +178,7 @@ int bench_command(const std::vector<std::string>& args) {
       if (!wanted(c.shape)) continue;
       std::vector<Impl> impls;
       for (Impl& im : c.impls)
-        if (std::regex_search(im.name, impl_filter)) impls.push_back(std::move(im));
+        if (std::regex_search(c.op + "/" + c.pass + "/" + im.name, impl_filter)) impls.push_back(std::move(im));
       c.impls = std::move(impls);
       if (c.impls.empty()) continue;
       if (progress)

@@ -42,6 +42,7 @@ GROUPINGS = {
     "all_on_one": [0, 0, 12, 0],
     "T0": [0, 0, 0],
     "T1": [0, 1],
+    "BLAS_sized": [70, 0, 131],  # groups of 64+ rows take one BLAS call each in the forward
 }
 
 
