@@ -28,8 +28,10 @@ struct Case {
 
 /// Builds one case (its tensors live only while it runs: MoE cases hold gigabytes of expert weights).
 using CaseBuilder = std::function<Case()>;
+/// Whether cases of a shape (as the table prints it) are wanted: factories skip the others before making tensors.
+using ShapeFilter = std::function<bool(const std::string& shape)>;
 /// A case family: the cases of one op for a dtype name ("float32", "bfloat16").
-using CaseFactory = std::function<std::vector<CaseBuilder>(const std::string& dtype)>;
+using CaseFactory = std::function<std::vector<CaseBuilder>(const std::string& dtype, const ShapeFilter& wanted)>;
 
 at::ScalarType dtype_of(const std::string& name);
 std::string shape_string(at::IntArrayRef s);
@@ -42,9 +44,9 @@ std::function<void()> fwd_bwd(std::vector<at::Tensor> inputs, at::Tensor grad,
 /// make(), each hands out its case, and the tensors are released after the last one is taken.
 std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make);
 
-std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype);
-std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype);
-std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype);
-std::vector<CaseBuilder> experts_cases(const std::string& dtype);
+std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype, const ShapeFilter& wanted);
+std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype, const ShapeFilter& wanted);
+std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype, const ShapeFilter& wanted);
+std::vector<CaseBuilder> experts_cases(const std::string& dtype, const ShapeFilter& wanted);
 
 }  // namespace kernmap::cli

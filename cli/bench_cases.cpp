@@ -63,7 +63,7 @@ std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make) {
   return out;
 }
 
-std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype) {
+std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype, const ShapeFilter&) {
   return builders_of([dtype] {
     const at::ScalarType dt = dtype_of(dtype);
     const int64_t T = 4096, H = 3584;  // Qwen2-7B hidden size
@@ -80,7 +80,7 @@ std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype) {
   });
 }
 
-std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype) {
+std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype, const ShapeFilter&) {
   return builders_of([dtype] {
     const at::ScalarType dt = dtype_of(dtype);
     const int64_t T = 4096, I = 18944;  // Qwen2-7B intermediate size

@@ -39,9 +39,10 @@ at::Tensor weights(std::vector<int64_t> shape, int64_t fan_in, at::ScalarType dt
 
 }  // namespace
 
-std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype) {
+std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype, const ShapeFilter& wanted) {
   std::vector<CaseBuilder> out;
   for (const MoeShape& s : kShapes)
+    if (wanted(describe(s)))
     for (CaseBuilder& b : builders_of([s, dtype] {
     const at::ScalarType dt = dtype_of(dtype);
     const int64_t S = s.T * s.k, N = 2 * s.I;
@@ -74,9 +75,10 @@ std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype) {
   return out;
 }
 
-std::vector<CaseBuilder> experts_cases(const std::string& dtype) {
+std::vector<CaseBuilder> experts_cases(const std::string& dtype, const ShapeFilter& wanted) {
   std::vector<CaseBuilder> out;
   for (const MoeShape& s : kShapes)
+    if (wanted(describe(s)))
     for (CaseBuilder& b : builders_of([s, dtype] {
     const at::ScalarType dt = dtype_of(dtype);
     const at::Tensor ids = routing(s);

@@ -29,6 +29,8 @@ namespace {
 struct Options {
   bool json = false;
   std::string filter;
+  std::string shape;  // regex over the case's shape ("E128 k8 H2048 I768 T256", "[4096, 3584]")
+  std::string impl;   // regex over "op/pass/implementation" ("experts/fwd+bwd/reference")
   int warmup = 3;
   int reps = 11;
 };
@@ -99,12 +101,16 @@ Options parse(const std::vector<std::string>& args) {
       o.json = true;
     } else if (a == "--filter") {
       o.filter = value();
+    } else if (a == "--shape") {
+      o.shape = value();
+    } else if (a == "--impl") {
+      o.impl = value();
     } else if (a == "--warmup") {
       o.warmup = count(0);
     } else if (a == "--reps") {
       o.reps = count(1);
     } else {
-      throw std::invalid_argument("unknown option '" + a + "' (expected --json, --filter, --warmup, --reps)");
+      throw std::invalid_argument("unknown option '" + a + "' (expected --json, --filter, --shape, --impl, --warmup, --reps)");
     }
   }
   return o;
@@ -139,12 +145,17 @@ struct Row {
 int bench_command(const std::vector<std::string>& args) {
   const Options o = parse(args);
   keep_freed_memory();
-  std::regex filter;
-  try {
-    filter = std::regex(o.filter.empty() ? ".*" : o.filter);
-  } catch (const std::regex_error& e) {
-    throw std::invalid_argument("--filter '" + o.filter + "' is not a valid regular expression: " + e.what());
-  }
+  auto regex_of = [](const char* flag, const std::string& text) {
+    try {
+      return std::regex(text.empty() ? ".*" : text);
+    } catch (const std::regex_error& e) {
+      throw std::invalid_argument(std::string(flag) + " '" + text + "' is not a valid regular expression: " + e.what());
+    }
+  };
+  const std::regex filter = regex_of("--filter", o.filter);
+  const std::regex shape_filter = regex_of("--shape", o.shape);
+  const std::regex impl_filter = regex_of("--impl", o.impl);
+  const ShapeFilter wanted = [&](const std::string& shape) { return std::regex_search(shape, shape_filter); };
   const bool progress = !o.json && isatty(STDERR_FILENO);
 
   const std::vector<std::pair<std::string, CaseFactory>> families = {{"rms_norm", rms_norm_cases},
@@ -162,8 +173,14 @@ int bench_command(const std::vector<std::string>& args) {
   std::vector<Row> rows;
   for (size_t i = 0; i < planned.size(); ++i) {
     const auto& [factory, dt] = planned[i];
-    for (const CaseBuilder& build : (*factory)(dt)) {
-      const Case c = build();
+    for (const CaseBuilder& build : (*factory)(dt, wanted)) {
+      Case c = build();
+      if (!wanted(c.shape)) continue;
+      std::vector<Impl> impls;
+      for (Impl& im : c.impls)
+        if (std::regex_search(c.op + "/" + c.pass + "/" + im.name, impl_filter)) impls.push_back(std::move(im));
+      c.impls = std::move(impls);
+      if (c.impls.empty()) continue;
       if (progress)
         std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, planned.size(), c.op.c_str(), c.pass.c_str(),
                      dt.c_str(), c.shape.c_str());

@@ -2,10 +2,14 @@
 // sort the (token, slot) pairs by expert (a stable counting sort: deterministic), gather, grouped gate_up
 // product, fused SiLU-and-mul, grouped down product, weighted combine in fp32. Forward, backward, Meta, autograd.
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "include/kernmap/ops.h"
@@ -81,11 +85,104 @@ at::Tensor inverse_permutation(const at::Tensor& order) {
   return pos;
 }
 
-// out[t] = sum over slots, in slot order, of rows[pos[t * k + slot]]: a deterministic reduction (fp32 for
-// reduced precision, as transformers' reshape + sum).
-at::Tensor combine(const at::Tensor& rows, const at::Tensor& pos, int64_t T, int64_t k, at::ScalarType out_dtype) {
-  const at::ScalarType acc = at::promote_types(at::kFloat, rows.scalar_type());
-  return rows.index_select(0, pos).view({T, k, rows.size(1)}).sum(1, /*keepdim=*/false, acc).to(out_dtype);
+// The fp32 accumulation type of a dtype (fp64 for fp64).
+at::ScalarType acc_type(at::ScalarType t) { return at::promote_types(at::kFloat, t); }
+
+// The fused paths below compute weight products in acc_type(rows); a float64 weight on lower-precision rows
+// would make transformers' product float64, so such calls keep the ATen composition.
+bool fusable(const at::Tensor& rows, const at::Tensor& weights) {
+  return weights.scalar_type() != at::kDouble || rows.scalar_type() == at::kDouble;
+}
+
+// out[t] = sum over slots, in slot order, of rows[pos[t * k + slot]] * weights[pos[...]] (the product rounded to
+// the rows' dtype unless the weights' dtype is wider, as transformers' `rows * weights`; no weights: the rows),
+// accumulated in fp32 for reduced precision and rounded once to out_dtype: transformers' reshape + sum in one
+// pass, without gathered or widened copies; deterministic.
+at::Tensor combine(const at::Tensor& rows, const at::Tensor& pos, int64_t T, int64_t k, at::ScalarType out_dtype,
+                   const at::Tensor& weights = {}) {
+  const int64_t H = rows.size(1);
+  if (weights.defined() && !fusable(rows, weights)) {
+    const at::Tensor weighted = rows * weights.unsqueeze(-1);
+    return weighted.index_select(0, pos).view({T, k, H}).sum(1, false, acc_type(weighted.scalar_type())).to(out_dtype);
+  }
+  const at::Tensor r = rows.contiguous();
+  const bool round_product = weights.defined() && at::promote_types(rows.scalar_type(), weights.scalar_type()) ==
+                                                      rows.scalar_type();
+  const at::Tensor w = weights.defined() ? weights.to(acc_type(rows.scalar_type())).contiguous() : at::Tensor();
+  at::Tensor out = at::empty({T, H}, rows.options().dtype(out_dtype));
+  at::Tensor acc_out = out_dtype == acc_type(rows.scalar_type()) ? out : at::empty({T, H}, rows.options().dtype(acc_type(rows.scalar_type())));
+  const int64_t* p = pos.const_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, r.scalar_type(), "kernmap_experts_combine", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const scalar_t* src = r.const_data_ptr<scalar_t>();
+    const Acc* wp = w.defined() ? w.const_data_ptr<Acc>() : nullptr;
+    Acc* dst = acc_out.data_ptr<Acc>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        Acc* acc = dst + t * H;
+        std::fill(acc, acc + H, Acc(0));
+        for (int64_t slot = 0; slot < k; ++slot) {
+          const int64_t j = p[t * k + slot];
+          const scalar_t* row = src + j * H;
+          if (!wp) {
+            for (int64_t h = 0; h < H; ++h) acc[h] += static_cast<Acc>(row[h]);
+          } else if (round_product) {
+            const Acc wj = wp[j];
+            for (int64_t h = 0; h < H; ++h)
+              acc[h] += static_cast<Acc>(static_cast<scalar_t>(static_cast<Acc>(row[h]) * wj));
+          } else {
+            const Acc wj = wp[j];
+            for (int64_t h = 0; h < H; ++h) acc[h] += static_cast<Acc>(row[h]) * wj;
+          }
+        }
+      }
+    });
+  });
+  if (!acc_out.is_same(out)) out.copy_(acc_out);
+  return out;
+}
+
+// The backward of the weighted combine, per row j of the expert order (token order[j] / k): the gradient of the
+// weighted row, d_h2[j] = round(grad[token] * w[j]), and of the weight, d_w[j] = <grad[token], h2[j]> summed in
+// fp32 in element order. One pass over grad's rows in place of a gathered copy, two widened copies, a product
+// and a sum.
+std::tuple<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, const at::Tensor& h2, const at::Tensor& w,
+                                                    const at::Tensor& order, int64_t k) {
+  const int64_t S = h2.size(0), H = h2.size(1);
+  if (!fusable(h2, w)) {
+    const at::Tensor g = grad.index_select(0, order.div(k, "floor"));
+    const at::ScalarType acc = acc_type(h2.scalar_type());
+    return {(g * w.unsqueeze(-1)).to(h2.scalar_type()), (g.to(acc) * h2.to(acc)).sum(-1).to(w.scalar_type())};
+  }
+  const at::Tensor g = grad.to(h2.scalar_type()).contiguous(), hc = h2.contiguous();
+  const at::Tensor wc = w.to(acc_type(h2.scalar_type())).contiguous();
+  at::Tensor d_h2 = at::empty({S, H}, h2.options());
+  at::Tensor d_w = at::empty({S}, wc.options());
+  const int64_t* ord = order.const_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hc.scalar_type(), "kernmap_experts_combine_bwd", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const scalar_t* gp = g.const_data_ptr<scalar_t>();
+    const scalar_t* hp = hc.const_data_ptr<scalar_t>();
+    const Acc* wp = wc.const_data_ptr<Acc>();
+    scalar_t* dp = d_h2.data_ptr<scalar_t>();
+    Acc* dwp = d_w.data_ptr<Acc>();
+    at::parallel_for(0, S, 16, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const scalar_t* row = gp + (ord[j] / k) * H;
+        const scalar_t* h2row = hp + j * H;
+        scalar_t* out = dp + j * H;
+        const Acc wj = wp[j];
+        Acc dot = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          const Acc gv = static_cast<Acc>(row[h]);
+          out[h] = static_cast<scalar_t>(gv * wj);
+          dot += gv * static_cast<Acc>(h2row[h]);
+        }
+        dwp[j] = dot;
+      }
+    });
+  });
+  return {d_h2, d_w.to(w.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
@@ -98,8 +195,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_c
   const at::Tensor h1 = grouped_mm_cpu(a, gate_up.transpose(1, 2), offs);     // [S, 2I]
   const at::Tensor act = kernmap::swiglu(h1);                                  // [S, I]
   const at::Tensor h2 = grouped_mm_cpu(act, down.transpose(1, 2), offs);      // [S, H]
-  const at::Tensor w = topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1);
-  const at::Tensor out = combine(h2 * w, inverse_permutation(order), s.T, s.k, hidden.scalar_type());
+  const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
+  const at::Tensor out = combine(h2, inverse_permutation(order), s.T, s.k, hidden.scalar_type(), w);
   return {out, order, offs, h1, h2};
 }
 
@@ -109,14 +206,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& h2) {
   const int64_t T = hidden.size(0), k = topk_weights.size(1);
   const at::Tensor token = order.div(k, "floor");
-  const at::Tensor g = grad.index_select(0, token);  // d(weighted row j) = grad_out[token of j]
   const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
-  // d topk_weights: <grad_out[t], h2 row>, in fp32 at least.
-  const at::ScalarType acc = at::promote_types(at::kFloat, h2.scalar_type());
-  const at::Tensor dw_sorted = (g.to(acc) * h2.to(acc)).sum(-1);
+  // d(weighted row j) = grad_out[token of j] * w[j]; d topk_weights: <grad_out[t], h2 row>, in fp32 at least.
+  auto [d_h2, dw_sorted] = combine_backward(grad, h2, w, order, k);
   at::Tensor d_topk = at::empty({T * k}, topk_weights.options());
-  d_topk.index_copy_(0, order, dw_sorted.to(topk_weights.scalar_type()));
-  const at::Tensor d_h2 = (g * w.unsqueeze(-1)).to(h2.scalar_type());
+  d_topk.index_copy_(0, order, dw_sorted);
   const at::Tensor act = kernmap::swiglu(h1);
   const at::Tensor d_act = grouped_mm_cpu(d_h2, down, offs);             // [S, I]
   const at::Tensor d_down = grouped_weight_grad_cpu(d_h2, act, offs);    // [E, H, I]

@@ -42,6 +42,7 @@ GROUPINGS = {
     "all_on_one": [0, 0, 12, 0],
     "T0": [0, 0, 0],
     "T1": [0, 1],
+    "BLAS_sized": [70, 0, 131],  # groups of 64+ rows take one BLAS call each in the forward
 }
 
 
@@ -222,11 +223,13 @@ def test_experts_gradcheck_float64():
                                     (args[0], args[2], args[3], args[4]))
 
 
-def test_experts_deterministic_across_runs_and_threads():
-    E, k, T, H, I = 16, 4, 64, 48, 40
-    hidden = torch.randn(T, H)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_deterministic_across_runs_and_threads(dtype):
+    E, k, T, H, I = 16, 4, 64, 72, 40  # H = 72: 64-column blocks and a tail in the bf16 outer-product kernel
+    hidden = torch.randn(T, H).to(dtype)
     ids, weights = routing(T, E, k)
-    gu, dn = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    weights = weights.to(dtype)
+    gu, dn = torch.randn(E, 2 * I, H).to(dtype), torch.randn(E, H, I).to(dtype)
     before = torch.get_num_threads()
     results = []
     try:
@@ -240,6 +243,25 @@ def test_experts_deterministic_across_runs_and_threads():
         assert torch.equal(y, y0)
         for a, b in zip(g, g0):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype,weights_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float64),
+                                                   (torch.float32, torch.bfloat16)])
+def test_experts_routing_weights_of_another_dtype(dtype, weights_dtype):
+    # The weighted combine and its backward follow the eager product's type promotion (bf16 rows times fp32
+    # weights are not rounded to bf16 before the sum; fp64 weights keep the ATen composition).
+    E, k, T, H, I = 6, 2, 10, 70, 12
+    hidden = torch.randn(T, H).to(dtype)
+    ids, weights = routing(T, E, k)
+    weights = weights.to(weights_dtype)
+    gu, dn = torch.randn(E, 2 * I, H).to(dtype) * 0.3, torch.randn(E, H, I).to(dtype) * 0.3
+    (y, grads), (yr, grads_r) = (grads_of(f, [hidden, ids, weights, gu, dn]) for f in (ops.experts, ops.reference_experts))
+    assert y.dtype == yr.dtype
+    assert_close(y, yr, dtype, 2.0)
+    for g, gr in zip(grads, grads_r):
+        if g is not None:
+            assert g.dtype == gr.dtype
+            assert_close(g.float(), gr.float(), dtype if g.dtype != torch.float64 else torch.float32, 2.0)
 
 
 def test_experts_opcheck():
