@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "include/kernmap/ops.h"
@@ -52,11 +53,28 @@ std::vector<Task> tile(const std::vector<int64_t>& starts, int64_t cols, bool ti
   return tasks;
 }
 
+// Runs the tasks on the intra-op threads, each thread a contiguous run of tasks of about equal work (rows x
+// columns): at::parallel_for alone would give each thread an equal number of tasks, and groups are uneven (one
+// thread got the larger half of 60 experts' rows and the other waited). Each task writes its own output, so the
+// split does not change any result.
 void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Task&)>& f) {
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  std::vector<int64_t> work(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i)
+    work[i + 1] = work[i] + (tasks[i].r1 - tasks[i].r0) * (tasks[i].c1 - tasks[i].c0);
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(n, at::get_num_threads()));
+  // Chunk c takes the tasks whose work midpoint falls in [c, c + 1) / chunks of the total.
+  std::vector<int64_t> first(chunks + 1, n);
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const int64_t c = std::min<int64_t>(chunks - 1, (work[i] + work[i + 1]) * chunks / std::max<int64_t>(1, 2 * work[n]));
+    for (int64_t j = 0; j <= c; ++j) first[j] = std::min(first[j], i);
+  }
+  first[0] = 0;
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
     // Dispatcher state is per thread: pool threads must also run the tile products below autograd.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    for (int64_t i = b; i < e; ++i) f(tasks[i]);
+    for (int64_t c = b; c < e; ++c)
+      for (int64_t i = first[c]; i < first[c + 1]; ++i) f(tasks[i]);
   });
 }
 
