@@ -23,31 +23,11 @@ namespace {
 
 using nlohmann::json;
 
-char* copy_string(const std::string& text) {
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
-  return out;
-}
+using detail::copy_string;
 
-// Runs body, turning every exception into a status code and a message.
 template <typename Body>
 int guarded(const char* function, char** error, Body&& body) {
-  try {
-    body();
-    return KERNMAP_OK;
-  } catch (const std::invalid_argument& e) {
-    if (error != nullptr) *error = copy_string(e.what());
-    return KERNMAP_INVALID_ARGUMENT;
-  } catch (const json::exception& e) {
-    if (error != nullptr) *error = copy_string(std::string(function) + ": invalid JSON argument: " + e.what());
-    return KERNMAP_INVALID_ARGUMENT;
-  } catch (const std::exception& e) {
-    if (error != nullptr) *error = copy_string(std::string(function) + ": " + e.what());
-    return KERNMAP_INTERNAL_ERROR;
-  } catch (...) {
-    if (error != nullptr) *error = copy_string(std::string(function) + ": unknown error");
-    return KERNMAP_INTERNAL_ERROR;
-  }
+  return detail::guarded_call(function, error, body, /*name_invalid_argument=*/false);
 }
 
 json parse(const char* function, const char* what, const char* text) {
@@ -276,3 +256,32 @@ int kernmap_effective_mapping(char** mapping_json, char** error) {
 }
 
 }  // extern "C"
+
+namespace kernmap::detail {
+
+char* copy_string(const std::string& text) {
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
+}
+
+int guarded_call(const char* function, char** error, const std::function<void()>& body, bool name_invalid_argument) {
+  const auto fail = [&](int status, const std::string& message) {
+    if (error != nullptr) *error = copy_string(message);
+    return status;
+  };
+  try {
+    body();
+    return KERNMAP_OK;
+  } catch (const std::invalid_argument& e) {
+    return fail(KERNMAP_INVALID_ARGUMENT, name_invalid_argument ? std::string(function) + ": " + e.what() : e.what());
+  } catch (const nlohmann::json::exception& e) {
+    return fail(KERNMAP_INVALID_ARGUMENT, std::string(function) + ": invalid JSON argument: " + e.what());
+  } catch (const std::exception& e) {
+    return fail(KERNMAP_INTERNAL_ERROR, std::string(function) + ": " + e.what());
+  } catch (...) {
+    return fail(KERNMAP_INTERNAL_ERROR, std::string(function) + ": unknown error");
+  }
+}
+
+}  // namespace kernmap::detail

@@ -9,37 +9,19 @@
 
 #include "kernmap/c_api.h"
 #include "kernmap/plugins.h"
+#include "registry/json_forms.h"
 
 namespace kernmap {
 namespace {
 
 using nlohmann::json;
 
-char* copy_string(const std::string& text) {
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
-  return out;
-}
+using detail::copy_string;
 
+// Messages of std::invalid_argument from the loader do not name the C function: prefix it.
 template <typename Body>
 int guarded(const char* function, char** error, Body&& body) {
-  try {
-    body();
-    return KERNMAP_OK;
-  } catch (const std::invalid_argument& e) {
-    if (error != nullptr) *error = copy_string(std::string(function) + ": " + e.what());
-    return KERNMAP_INVALID_ARGUMENT;
-  } catch (const json::exception& e) {
-    if (error != nullptr)
-      *error = copy_string(std::string(function) + ": invalid JSON argument: " + e.what());
-    return KERNMAP_INVALID_ARGUMENT;
-  } catch (const std::exception& e) {
-    if (error != nullptr) *error = copy_string(std::string(function) + ": " + e.what());
-    return KERNMAP_INTERNAL_ERROR;
-  } catch (...) {
-    if (error != nullptr) *error = copy_string(std::string(function) + ": unknown error");
-    return KERNMAP_INTERNAL_ERROR;
-  }
+  return detail::guarded_call(function, error, body, /*name_invalid_argument=*/true);
 }
 
 LoadOptions options_from_json(const char* text) {
