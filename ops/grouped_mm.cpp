@@ -13,6 +13,7 @@
 #include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
 #include "ops/checks.h"
+#include "ops/memory.h"
 
 namespace kernmap::ops {
 namespace {
@@ -224,7 +225,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
 
 at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, const at::Tensor& offs) {
   const int64_t E = offs.size(0), M = x.size(1), N = y.size(1);
-  at::Tensor out = at::empty({E, M, N}, x.options());
+  at::Tensor out = empty_large({E, M, N}, x.options());
   const std::vector<int64_t> starts = group_starts(offs);
   for (int64_t e = 0; e < E; ++e)
     if (starts[e] == starts[e + 1]) out.select(0, e).zero_();
