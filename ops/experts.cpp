@@ -15,6 +15,7 @@
 #include "include/kernmap/ops.h"
 #include "ops/checks.h"
 #include "ops/grouped_mm.h"
+#include "ops/memory.h"
 
 namespace kernmap::ops {
 namespace {
@@ -83,6 +84,12 @@ at::Tensor inverse_permutation(const at::Tensor& order) {
   int64_t* p = pos.data_ptr<int64_t>();
   for (int64_t j = 0; j < order.numel(); ++j) p[o[j]] = j;
   return pos;
+}
+
+// hidden's rows in expert order, in a buffer of the large-block cache.
+at::Tensor gather_rows(const at::Tensor& hidden, const at::Tensor& token) {
+  at::Tensor a = empty_large({token.size(0), hidden.size(1)}, hidden.options());
+  return at::index_select_out(a, hidden, 0, token);
 }
 
 // The fp32 accumulation type of a dtype (fp64 for fp64).
@@ -156,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, cons
   }
   const at::Tensor g = grad.to(h2.scalar_type()).contiguous(), hc = h2.contiguous();
   const at::Tensor wc = w.to(acc_type(h2.scalar_type())).contiguous();
-  at::Tensor d_h2 = at::empty({S, H}, h2.options());
+  at::Tensor d_h2 = empty_large({S, H}, h2.options());
   at::Tensor d_w = at::empty({S}, wc.options());
   const int64_t* ord = order.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hc.scalar_type(), "kernmap_experts_combine_bwd", [&] {
@@ -191,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_c
   const Shapes s = check_experts(hidden, topk_ids, topk_weights, gate_up, down);
   auto [order, offs] = sort_by_expert(topk_ids, s.E);
   const at::Tensor token = order.div(s.k, "floor");
-  const at::Tensor a = hidden.index_select(0, token);                          // [S, H]
+  const at::Tensor a = gather_rows(hidden, token);                             // [S, H]
   const at::Tensor h1 = grouped_mm_cpu(a, gate_up.transpose(1, 2), offs);     // [S, 2I]
   const at::Tensor act = kernmap::swiglu(h1);                                  // [S, I]
   const at::Tensor h2 = grouped_mm_cpu(act, down.transpose(1, 2), offs);      // [S, H]
@@ -217,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   static auto swiglu_bwd = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kernmap::swiglu_backward");
   const at::Tensor d_h1 = swiglu_bwd.call(d_act, h1);                    // [S, 2I]
   const at::Tensor d_a = grouped_mm_cpu(d_h1, gate_up, offs);            // [S, H]
-  const at::Tensor a = hidden.index_select(0, token);
+  const at::Tensor a = gather_rows(hidden, token);
   const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1, a, offs);   // [E, 2I, H]
   const at::Tensor d_hidden = combine(d_a, inverse_permutation(order), T, k, hidden.scalar_type());
   return {d_hidden, d_topk.view(topk_weights.sizes()), d_gate_up, d_down};

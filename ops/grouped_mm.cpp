@@ -173,7 +173,7 @@ bool kernel_dtype(const at::Tensor& t) { return t.scalar_type() != at::kDouble; 
 
 at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
   const int64_t N = b.size(2), K = a.size(1);
-  at::Tensor out = at::empty({a.size(0), N}, a.options());
+  at::Tensor out = empty_large({a.size(0), N}, a.options());
   const bool a_rows = a.stride(1) == 1 || K <= 1;
   const bool nt = kernel_dtype(a) && a_rows && b.stride(1) == 1;
   const auto tasks = tile(group_starts(offs), N, /*tile_rows=*/true);

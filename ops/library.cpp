@@ -22,6 +22,9 @@ TORCH_LIBRARY(kernmap, m) {
   m.def("experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) -> Tensor");
   m.def("experts_forward(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) -> (Tensor out, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out)");
   m.def("experts_backward(Tensor grad_out, Tensor hidden, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out) -> (Tensor grad_hidden, Tensor grad_topk_weights, Tensor grad_gate_up_proj, Tensor grad_down_proj)");
+  // The cache of large CPU buffers (ops/memory.h): bytes held, and release (returns the bytes released).
+  m.def("cached_memory_bytes() -> int");
+  m.def("release_cached_memory() -> int");
   // Reference kernels: the transformers eager math composed of ATen ops (any device, autograd through ATen).
   m.def("reference_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("reference_silu(Tensor x) -> Tensor");

@@ -1,44 +1,181 @@
+// The large-block cache behind empty_large: an at::Allocator whose blocks are mmap'd (2 MiB aligned, huge-page
+// hint), returned to a free list keyed by size when their tensor dies, and unmapped when the cap is reached or
+// on release. Thread-safe (one mutex; allocations are few and large).
 #include "ops/memory.h"
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <c10/core/Allocator.h>
+#include <torch/library.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
 
-#if defined(__linux__)
 #include <sys/mman.h>
-#endif
+#include <unistd.h>
+
+#include "include/kernmap/memory.h"
 
 namespace kernmap::ops {
 namespace {
 
-constexpr int64_t kMinBytes = int64_t(16) << 20;
-constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
+constexpr size_t kMinBytes = size_t(16) << 20;
+constexpr size_t kAlign = size_t(2) << 20;
 
-bool huge_pages_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("KERNMAP_HUGE_PAGES");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return enabled;
+bool env_is_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "0") == 0;
 }
+
+// The cap on cached bytes: KERNMAP_LARGE_CACHE_MB, or a quarter of physical memory.
+size_t cache_cap() {
+  if (const char* v = std::getenv("KERNMAP_LARGE_CACHE_MB")) {
+    char* end = nullptr;
+    const unsigned long long mb = std::strtoull(v, &end, 10);
+    TORCH_CHECK(end != v && *end == '\0', "kernmap: KERNMAP_LARGE_CACHE_MB must be a whole number of MiB, got '", v,
+                "'");
+    return static_cast<size_t>(mb) << 20;
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 4 : size_t(1) << 30;
+}
+
+struct Block {
+  void* map;         // what mmap returned
+  size_t map_bytes;  // what mmap mapped
+  void* data;        // kAlign-aligned start
+  size_t bytes;      // usable bytes from data (a multiple of kAlign)
+};
+
+class LargeBlockCache final : public c10::Allocator {
+ public:
+  LargeBlockCache() : cap_(cache_cap()), huge_(!env_is_zero("KERNMAP_HUGE_PAGES")) {}
+
+  bool enabled() const { return cap_ > 0; }
+
+  c10::DataPtr allocate(size_t n) override {
+    const size_t bytes = (std::max<size_t>(n, 1) + kAlign - 1) / kAlign * kAlign;
+    Block* b = take(bytes);
+    if (!b) b = map_block(bytes);
+    return {b->data, b, &LargeBlockCache::free_block, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  int64_t cached() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(cached_);
+  }
+
+  int64_t release() {
+    std::vector<Block*> out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [bytes, blocks] : free_)
+        for (Block* b : blocks) out.push_back(b);
+      free_.clear();
+      const size_t released = cached_;
+      cached_ = 0;
+      for (Block* b : out) unmap(b);
+      return static_cast<int64_t>(released);
+    }
+  }
+
+  static LargeBlockCache& get() {
+    // Never destroyed: tensors may die during static destruction.
+    static auto* cache = new LargeBlockCache();
+    return *cache;
+  }
+
+ private:
+  static void free_block(void* ctx) { get().put(static_cast<Block*>(ctx)); }
+
+  Block* take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.find(bytes);
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    Block* b = it->second.back();
+    it->second.pop_back();
+    cached_ -= b->bytes;
+    return b;
+  }
+
+  void put(Block* b) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cached_ + b->bytes <= cap_) {
+        free_[b->bytes].push_back(b);
+        cached_ += b->bytes;
+        return;
+      }
+    }
+    unmap(b);
+  }
+
+  Block* map_block(size_t bytes) {
+    const size_t map_bytes = bytes + kAlign;
+    void* map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) {
+      // Cached blocks of other sizes may be what stands in the way: give them back and try once more.
+      release();
+      map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      TORCH_CHECK_WITH(OutOfMemoryError, map != MAP_FAILED, "kernmap: out of memory allocating ", bytes, " bytes for a large CPU buffer");
+    }
+    const auto start = reinterpret_cast<uintptr_t>(map);
+    void* data = reinterpret_cast<void*>((start + kAlign - 1) & ~(uintptr_t(kAlign) - 1));
+#if defined(MADV_HUGEPAGE)
+    // A hint: an error (no THP support) leaves ordinary pages.
+    if (huge_) (void)madvise(data, bytes, MADV_HUGEPAGE);
+#endif
+    return new Block{map, map_bytes, data, bytes};
+  }
+
+  static void unmap(Block* b) {
+    munmap(b->map, b->map_bytes);
+    delete b;
+  }
+
+  const size_t cap_;
+  const bool huge_;
+  std::mutex mu_;
+  std::map<size_t, std::vector<Block*>> free_;
+  size_t cached_ = 0;
+};
+
+int64_t cached_bytes_op() { return kernmap::cached_memory_bytes(); }
+int64_t release_op() { return kernmap::release_cached_memory(); }
 
 }  // namespace
 
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor t = at::empty(sizes, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (t.is_cpu() && bytes >= kMinBytes && huge_pages_enabled()) {
-    const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
-    const uintptr_t first = (start + kHugePage - 1) & ~(kHugePage - 1);
-    const uintptr_t last = (start + static_cast<uintptr_t>(bytes)) & ~(kHugePage - 1);
-    // A hint: an error (no THP support, a region the kernel will not back) leaves ordinary pages.
-    if (last > first) (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-  }
-#endif
-  return t;
+  LargeBlockCache& cache = LargeBlockCache::get();
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  if (!options.device().is_cpu() || bytes < kMinBytes || !cache.enabled() || options.has_memory_format() ||
+      options.pinned_memory())
+    return at::empty(sizes, options);
+  return at::detail::empty_generic(sizes, &cache, c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   c10::typeMetaToScalarType(options.dtype()), std::nullopt);
+}
+
+int64_t cached_large_bytes() { return LargeBlockCache::get().cached(); }
+int64_t release_large_cache() { return LargeBlockCache::get().release(); }
+
+TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
+  m.impl("cached_memory_bytes", &cached_bytes_op);
+  m.impl("release_cached_memory", &release_op);
 }
 
 }  // namespace kernmap::ops
+
+namespace kernmap {
+int64_t cached_memory_bytes() { return ops::cached_large_bytes(); }
+int64_t release_cached_memory() { return ops::release_large_cache(); }
+}  // namespace kernmap

@@ -1,15 +1,24 @@
-// Allocation of large CPU outputs (weight gradients of expert layers: up to gigabytes a step).
+// Allocation of large CPU buffers (weight gradients and intermediates of expert layers: up to gigabytes a step),
+// through a cache that keeps freed blocks for the next step.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 namespace kernmap::ops {
 
-/// at::empty, and for CPU tensors of at least 16 MiB on Linux a transparent-huge-page hint
-/// (madvise MADV_HUGEPAGE) on the 2 MiB-aligned part of the fresh buffer before anything touches it: a fresh
-/// multi-gigabyte gradient otherwise costs one page fault and one 4 KiB clear per page (measured: 1.6 GB written
-/// after allocation 366 ms with 4 KiB pages, 79 ms with huge pages, 38 ms warm). Set KERNMAP_HUGE_PAGES=0 to
-/// turn the hint off (the kernel's THP mode "never" also ignores it). Same tensor, same allocator.
+/// at::empty, except that a CPU tensor of at least 16 MiB takes its memory from kernmap's large-block cache:
+/// 2 MiB-aligned blocks with a transparent-huge-page hint (madvise MADV_HUGEPAGE), kept when freed and handed
+/// out again for an equal size. A training step frees and re-allocates the same gradient sizes every step; fresh
+/// memory costs a page fault and a clear per 4 KiB page (measured on the development VM: 1.6 GB written right
+/// after allocation 366 ms with 4 KiB pages, 79 ms with huge pages, 38 ms in reused memory, and seconds when the
+/// hypervisor must back the pages again). Contents are uninitialized, as with at::empty. Settings
+/// (environment, read once): KERNMAP_LARGE_CACHE_MB caps the bytes kept (default: a quarter of physical
+/// memory; 0 turns the cache off), KERNMAP_HUGE_PAGES=0 drops the huge-page hint. See docs/ops.md.
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+/// Bytes of freed blocks the cache holds.
+int64_t cached_large_bytes();
+/// Returns every cached block to the system; returns the bytes released.
+int64_t release_large_cache();
 
 }  // namespace kernmap::ops

@@ -38,10 +38,24 @@ from ._plugins import load_from_env_at_import as _load_from_env_at_import
 
 ops = torch.ops.kernmap
 
+
+def cached_memory_bytes() -> int:
+    """Bytes of freed large CPU buffers (>= 16 MiB: expert layers' weight gradients and intermediates) that
+    kernmap keeps for reuse on the next step, as a GPU caching allocator does (docs/ops.md, "Memory")."""
+    return int(torch.ops.kernmap.cached_memory_bytes())
+
+
+def release_cached_memory() -> int:
+    """Returns kernmap's cached large CPU buffers to the system (buffers in use are untouched); returns the bytes
+    released."""
+    return int(torch.ops.kernmap.release_cached_memory())
+
 __all__ = [
-    "Decision", "Kernel", "KernelizeError", "KernmapError", "PluginError", "Report", "Row", "clear_user_mappings",
+    "Decision", "Kernel", "KernelizeError", "KernmapError", "PluginError", "Report", "Row", "cached_memory_bytes",
+    "clear_user_mappings",
     "effective_mapping", "kernelize", "kernels", "library_path", "load_mapping_file", "load_plugins", "ops",
-    "plugin_report", "register_default_mapping", "register_kernel", "register_mapping", "resolve", "use_mapping",
+    "plugin_report", "register_default_mapping", "register_kernel", "register_mapping", "release_cached_memory",
+    "resolve", "use_mapping",
     "write_lock",
 ]
 

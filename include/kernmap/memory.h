@@ -1,0 +1,15 @@
+// kernmap's cache of large CPU buffers (expert layers' weight gradients and intermediates, >= 16 MiB): freed
+// blocks are kept and handed out again for the same size on the next training step, as a GPU caching allocator
+// does. docs/ops.md, "Memory".
+#pragma once
+
+#include <cstdint>
+
+namespace kernmap {
+
+/// Bytes of freed large blocks the cache holds now.
+int64_t cached_memory_bytes();
+/// Returns every cached block to the system (blocks in use are untouched); returns the bytes released.
+int64_t release_cached_memory();
+
+}  // namespace kernmap

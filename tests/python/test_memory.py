@@ -1,0 +1,111 @@
+"""kernmap's cache of large CPU buffers (ops/memory.cpp): weight gradients of grouped products come from it,
+freed blocks are reused for the next equal-size allocation, release returns them, and the settings work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernmap
+
+MiB = 1 << 20
+
+
+def _weight_grad_case():
+    # grad_b: [E, K, N] fp32 = 4 * 1024 * 1024 * 4 bytes = 16 MiB, the cache's threshold; group 2 gets no rows.
+    torch.manual_seed(0)
+    E, K, N = 4, 1024, 1024
+    offs = torch.tensor([3, 7, 7, 12], dtype=torch.int32)
+    a = torch.randn(12, K)
+    b = torch.randn(E, K, N)
+    grad = torch.randn(12, N)
+    return grad, a, b, offs
+
+
+def _expected_grad_b(grad, a, offs):
+    out = []
+    start = 0
+    for end in offs.tolist():
+        out.append(a[start:end].double().t() @ grad[start:end].double())
+        start = end
+    return torch.stack(out)
+
+
+def test_freed_gradient_is_reused_and_fully_rewritten():
+    kernmap.release_cached_memory()
+    assert kernmap.cached_memory_bytes() == 0
+    grad, a, b, offs = _weight_grad_case()
+    _, gb = torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs)
+    ptr = gb.data_ptr()
+    assert ptr % (2 * MiB) == 0  # a block of the cache: 2 MiB aligned
+    gb.fill_(float("nan"))  # stale contents a reuse must overwrite everywhere (the empty group included)
+    del gb
+    assert kernmap.cached_memory_bytes() == 16 * MiB
+    _, gb2 = torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs)
+    assert gb2.data_ptr() == ptr
+    assert kernmap.cached_memory_bytes() == 0
+    torch.testing.assert_close(gb2.double(), _expected_grad_b(grad, a, offs), rtol=1e-4, atol=1e-3)
+    assert torch.count_nonzero(gb2[2]) == 0
+    del gb2
+    assert kernmap.release_cached_memory() == 16 * MiB
+    assert kernmap.cached_memory_bytes() == 0
+    assert kernmap.release_cached_memory() == 0
+
+
+def test_small_outputs_do_not_use_the_cache():
+    kernmap.release_cached_memory()
+    grad, a, b, offs = _weight_grad_case()
+    _, gb = torch.ops.kernmap.grouped_mm_backward(grad[:, :512], a, b[:, :, :512], offs)  # 8 MiB
+    del gb
+    assert kernmap.cached_memory_bytes() == 0
+
+
+def test_cached_tensor_behaves_like_any_tensor():
+    kernmap.release_cached_memory()
+    grad, a, b, offs = _weight_grad_case()
+    _, gb = torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs)
+    expected = gb.clone()
+    gb.resize_(5, 1024, 1024)  # the storage grows through the cache's allocator
+    torch.testing.assert_close(gb[:4], expected)
+    param = torch.nn.Parameter(b.clone())
+    param.grad = gb[:4]
+    torch.optim.SGD([param], lr=0.1).step()
+    torch.testing.assert_close(param.detach(), b - 0.1 * expected)
+    del gb, param
+    kernmap.release_cached_memory()
+
+
+def _run(env_extra: dict[str, str], code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+_CHILD = """
+import torch, kernmap
+from test_memory import _weight_grad_case
+grad, a, b, offs = _weight_grad_case()
+_, gb = torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs)
+del gb
+print(kernmap.cached_memory_bytes())
+"""
+
+
+@pytest.mark.parametrize(("value", "cached"), [("0", 0), ("8", 0), ("64", 16 * MiB)])
+def test_cache_cap_setting(value, cached):
+    here = os.path.dirname(__file__)
+    r = _run({"KERNMAP_LARGE_CACHE_MB": value, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")},
+             _CHILD)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.strip().splitlines()[-1]) == cached
+
+
+def test_bad_cache_setting_is_a_clear_error():
+    here = os.path.dirname(__file__)
+    r = _run({"KERNMAP_LARGE_CACHE_MB": "lots", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")},
+             _CHILD)
+    assert r.returncode != 0
+    assert "KERNMAP_LARGE_CACHE_MB must be a whole number of MiB, got 'lots'" in r.stderr
