@@ -8,6 +8,7 @@
 #include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
 #include "ops/checks.h"
+#include "ops/memory.h"
 
 namespace kernmap::ops {
 namespace {
@@ -162,7 +163,7 @@ std::vector<int64_t> half_last(const at::Tensor& t) {
 
 at::Tensor swiglu_cpu(const at::Tensor& gate_up) {
   const int64_t I = check_gate_up_packed("swiglu", gate_up);
-  at::Tensor y = at::empty(half_last(gate_up), gate_up.options());
+  at::Tensor y = empty_large(half_last(gate_up), gate_up.options());
   const Rows gu = as_rows(gate_up);
   const int64_t elem = gate_up.element_size();
   const char* base = static_cast<const char*>(gu.data());
@@ -181,7 +182,7 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& gate_
               half_last(gate_up), ", got ", grad_y.sizes());
   check_same_dtype("swiglu_backward", "gate_up", gate_up, "grad_y", grad_y);
   check_same_device("swiglu_backward", "gate_up", gate_up, "grad_y", grad_y);
-  at::Tensor dgu = at::empty(gate_up.sizes(), gate_up.options());
+  at::Tensor dgu = empty_large(gate_up.sizes(), gate_up.options());
   const Rows gu = as_rows(gate_up);
   const Rows d = as_rows(grad_y);
   const int64_t elem = gate_up.element_size();
