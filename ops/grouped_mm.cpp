@@ -54,19 +54,15 @@ std::vector<Task> tile(const std::vector<int64_t>& starts, int64_t cols, bool ti
   return tasks;
 }
 
-// Tasks for one BLAS call per group and column tile: all of a group's rows, its columns split only as far as
-// needed to give every thread several tasks (each call packs its operands once; fewer, larger calls amortize it).
+// Tasks for one BLAS call per group and column tile: all of a group's rows, columns in tiles of kBlasCols (fixed,
+// so the calls and their results do not depend on the thread count; each call packs its small operand once).
+constexpr int64_t kBlasCols = 512;
 std::vector<Task> blas_tiles(const std::vector<int64_t>& starts, int64_t cols) {
-  int64_t groups = 0;
-  for (size_t e = 0; e + 1 < starts.size(); ++e) groups += starts[e + 1] > starts[e];
-  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t splits = groups >= want || groups == 0 ? 1 : (want + groups - 1) / groups;
-  const int64_t step = std::max<int64_t>(64, ((cols + splits - 1) / splits + 63) / 64 * 64);
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < starts.size(); ++e) {
     if (starts[e + 1] == starts[e]) continue;
-    for (int64_t c = 0; c < cols; c += step)
-      tasks.push_back({static_cast<int64_t>(e), starts[e], starts[e + 1], c, std::min(c + step, cols)});
+    for (int64_t c = 0; c < cols; c += kBlasCols)
+      tasks.push_back({static_cast<int64_t>(e), starts[e], starts[e + 1], c, std::min(c + kBlasCols, cols)});
   }
   return tasks;
 }
@@ -80,7 +76,9 @@ void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Ta
   std::vector<int64_t> work(n + 1, 0);
   for (int64_t i = 0; i < n; ++i)
     work[i + 1] = work[i] + (tasks[i].r1 - tasks[i].r0) * (tasks[i].c1 - tasks[i].c0);
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(n, at::get_num_threads()));
+  // One chunk per thread even when there are fewer tasks, so the tasks always run inside the parallel region:
+  // a BLAS call made there is single-threaded, the same as on one thread (bit-identical results).
+  const int64_t chunks = std::max<int64_t>(1, at::get_num_threads());
   // Chunk c takes the tasks whose work midpoint falls in [c, c + 1) / chunks of the total.
   std::vector<int64_t> first(chunks + 1, n);
   for (int64_t i = n - 1; i >= 0; --i) {

@@ -288,3 +288,34 @@ def test_experts_bad_input():
         ops.experts(hidden, ids.float(), weights, gu, dn)
     with pytest.raises(RuntimeError, match="gate_up_proj must have the dtype of hidden"):
         ops.experts(hidden, ids, weights, gu.double(), dn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[300], [0, 300, 5]])
+def test_grouped_mm_backward_bit_identical_across_threads(dtype, counts):
+    # One large group: the BLAS calls of the backward must run single-threaded inside kernmap's parallel region
+    # (a BLAS call left to thread itself may sum in another order); N = 700 spans two column tiles.
+    K, N = 384, 700
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    T = int(offs[-1])
+    a = torch.randn(T, K).to(dtype)
+    b = torch.randn(len(counts), N, K).to(dtype).transpose(1, 2)
+    grad = torch.randn(T, N).to(dtype)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 2):
+            torch.set_num_threads(threads)
+            results.append(torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs))
+    finally:
+        torch.set_num_threads(before)
+    for ga, gb in results[1:]:
+        assert torch.equal(ga, results[0][0])
+        assert torch.equal(gb, results[0][1])
+    expected_gb = torch.zeros(len(counts), K, N, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        expected_gb[e] = a[start:end].double().t() @ grad[start:end].double()
+        start = end
+    tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.5)
+    torch.testing.assert_close(results[0][1].double(), expected_gb, **tol)
