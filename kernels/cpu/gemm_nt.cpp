@@ -286,7 +286,7 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
 // (fp32 and bf16 in place), those go through the dot-product blocks instead, right after the lanes blocks have
 // brought the same B rows into cache (a 16-element dot product per row costs what a whole 8-row group does per
 // element).
-constexpr int64_t kDotRows = 4;  // measured on Zen 4: 1 to 4 rows faster this way, 5 slower
+constexpr int64_t kDotRows = 3;  // measured on Zen 4 (bf16): 1 to 3 rows faster this way, 4 (spilling) slower
 
 template <class T>
 void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
@@ -339,7 +339,6 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
       if (tail == 1) dot_rows<T, 1>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
       if (tail == 2) dot_rows<T, 2>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
       if (tail == 3) dot_rows<T, 3>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-      if (tail == 4) dot_rows<T, 4>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
     }
   } else {
     float* wf = static_cast<float*>(scratch<1>(std::max<int64_t>(1, kColStep * K) * sizeof(float)));
