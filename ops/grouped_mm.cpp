@@ -33,7 +33,8 @@ constexpr int64_t kBlasRows = 64;
 constexpr int64_t kTasksPerThread = 8;
 constexpr int64_t kNtColStep = 24;
 int64_t nt_col_tile(int64_t N, int64_t groups, int64_t threads) {
-  const int64_t per_group = std::max<int64_t>(1, (kTasksPerThread * threads + groups - 1) / std::max<int64_t>(1, groups));
+  const int64_t wanted = kTasksPerThread * threads, g = std::max<int64_t>(1, groups);
+  const int64_t per_group = std::max<int64_t>(1, (wanted + g - 1) / g);
   const int64_t tile = (N + per_group - 1) / per_group;
   return std::max<int64_t>(kNtColStep, (tile + kNtColStep - 1) / kNtColStep * kNtColStep);
 }
@@ -187,7 +188,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
   at::Tensor out = at::empty({a.size(0), N}, a.options());
   const bool a_rows = a.stride(1) == 1 || K <= 1;
   const bool nt = kernel_dtype(a) && a_rows && b.stride(1) == 1;
-  const auto tasks = tile(group_starts(offs), N, /*tile_rows=*/true);
+  const auto tasks = nt ? std::vector<Task>{} : tile(group_starts(offs), N, /*tile_rows=*/true);
   const auto& k = cpu::kernel_table();
   const auto dt = cpu_dtype(a.scalar_type());
   const int64_t es = a.element_size();
@@ -199,7 +200,8 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
     // small row tiles; from kBlasRows rows on, BLAS's packed kernels amortize their packing and win (measured:
     // bf16 at 128 rows per group, 285 ms through BLAS vs 420 ms through the dot-product kernel).
     // A group of kBlasRows rows or more is one BLAS call over all its rows and columns (as the per-group loop
-    // does: one packing of its rows of a, no edge tiles); smaller groups are tiled for the dot-product kernel.
+    // does: one packing of its rows of a, no edge tiles); smaller groups go to gemm_nt whole (all their rows)
+    // in column tiles of nt_col_tile.
     std::vector<Task> nt_tasks;
     const std::vector<int64_t> starts = group_starts(offs);
     const int64_t E = static_cast<int64_t>(starts.size()) - 1;

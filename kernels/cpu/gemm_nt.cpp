@@ -1,11 +1,12 @@
 // Small-M matrix products in "NT" form for the grouped expert products of the forward pass, both operands
 // K-contiguous (nn.Linear layout). Compiled once per instruction-set level.
 //
-// AVX-512 levels: the transposed ("lanes") form. A's rows (a small group, at most 32 per pass) are packed once
-// per call into a lane layout, 8 rows per 256-bit register; B's rows are streamed once, front to back, each
-// element broadcast against all the group's rows: accumulators hold C^T[n, 8 rows], fed by one FMA (fp32) or
-// one vdpbf16ps (bf16 pairs) per B element and 8-row group. Each weight byte is read once from memory, with
-// software prefetch ahead; A stays in cache. Other levels (and float64): dot products along K in 4x4 blocks.
+// AVX-512 levels: the transposed ("lanes") form. A's rows (a small group, at most 32 per pass) are packed
+// once per call into a lane layout, 8 rows per 256-bit register; B's rows are streamed once, front to back,
+// each element broadcast against all the group's rows: accumulators hold C^T[n, 8 rows], fed by one FMA
+// (fp32) or one vdpbf16ps (bf16 pairs) per B element and 8-row group. Each weight byte is read once from
+// memory, with software prefetch ahead; A stays in cache. Other levels (and float64): dot products along K in
+// 4x4 blocks.
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
@@ -49,7 +50,8 @@ void block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, 
 // bf16 with the dot-product instruction: each lane adds a[2l] * b[2l] + a[2l+1] * b[2l+1] (exact products,
 // fp32 sums) — both operands K-contiguous, so 32 elements of K per instruction and no conversions.
 template <int MR, int NR>
-void block(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc, int64_t K) {
+void block(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
+           int64_t K) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -80,7 +82,8 @@ void any_block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t l
 
 // Edge blocks (fewer than kMr rows or kNr columns left) go through narrower blocks.
 template <class T>
-void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N, int64_t K) {
+void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
+          int64_t K) {
   const int64_t Mb = M - M % kMr, Nb = N - N % kNr;
   for (int64_t n = 0; n < Nb; n += kNr) {
     for (int64_t m = 0; m < Mb; m += kMr)
@@ -89,18 +92,19 @@ void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, i
       any_block<T, 1, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
   }
   for (int64_t n = Nb; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) any_block<T, 1, 1>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+    for (int64_t m = 0; m < M; ++m)
+      any_block<T, 1, 1>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
 }
 
 #if defined(__AVX512F__)
 // ---- The lanes form -------------------------------------------------------------------------------------
 
-constexpr int kLanes = 8;            // rows per accumulator register (ymm: same FMA rate as zmm on Zen 4, and a
-                                     // finer step for uneven groups)
-constexpr int kMaxGroups = 4;        // 8-row groups per pass over B: up to 32 rows
-constexpr int kColStep = 24;         // B rows per step (fp16 converts them at once), a multiple of kBlockCols
-// Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next block,
-// whose rows begin on fresh pages the hardware prefetchers have not seen) into L2.
+constexpr int kLanes = 8;      // rows per accumulator register (ymm: same FMA rate as zmm on Zen 4, and a
+                               // finer step for uneven groups)
+constexpr int kMaxGroups = 4;  // 8-row groups per pass over B: up to 32 rows
+constexpr int kColStep = 24;   // B rows per step (fp16 converts them at once), a multiple of kBlockCols
+// Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
+// block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2.
 constexpr int kPrefetchBytes = 256;
 
 // B rows per block: 6 streams. B rows of power-of-two length fall into the same L1 set (K = 2048 fp32: 8 KiB
@@ -135,12 +139,12 @@ inline void unroll(F&& f) {
 }
 
 // The block loop shared by both element kinds: S sets of NB x G accumulators (S > 1 where NB x G alone would
-// leave the FMA / dot-product pipes waiting on latency); step s of each 16 uses set s % S, the remainder set 0;
-// the sets are added in order at the end, so every result has a fixed summation order. `depth` steps in all;
-// each step reads one element (fp32) or pair (bf16) of every B row — 16 steps are one 64-byte line.
+// leave the FMA / dot-product pipes waiting on latency); step s of each 16 uses set s % S, the remainder set
+// 0; the sets are added in order at the end, so every result has a fixed summation order. `depth` steps in
+// all; each step reads one element (fp32) or pair (bf16) of every B row — 16 steps are one 64-byte line.
 template <int G, int NB, int S, class Step, class Last>
-void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64_t line_step, Step step, Last last,
-                float* out) {
+void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64_t line_step, Step step,
+                Last last, float* out) {
   __m256 acc[S][NB][G];
   for (int s = 0; s < S; ++s)
     for (int j = 0; j < NB; ++j)
@@ -167,7 +171,7 @@ template <int G, int NB>
 void lanes_block(const float* P, const float* W, int64_t ldw, int64_t K, float* out) {
   const float* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
-  auto step = [&](int64_t k, __m256 (&acc)[NB][G]) {
+  auto step = [&](int64_t k, __m256(&acc)[NB][G]) {
     __m256 a[G];
     for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(P + (k * G + g) * kLanes);
     for (int j = 0; j < NB; ++j) {
@@ -175,8 +179,8 @@ void lanes_block(const float* P, const float* W, int64_t ldw, int64_t K, float* 
       for (int g = 0; g < G; ++g) acc[j][g] = _mm256_fmadd_ps(a[g], b, acc[j][g]);
     }
   };
-  lanes_loop<G, NB, (G == 1 ? 2 : 1)>(K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step,
-                                      [](__m256(&)[NB][G]) {}, out);
+  lanes_loop<G, NB, (G == 1 ? 2 : 1)>(
+      K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step, [](__m256(&)[NB][G]) {}, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -201,12 +205,16 @@ void lanes_block(const uint32_t* P, const BFloat16* W, int64_t ldw, int64_t K, f
       for (int g = 0; g < G; ++g) acc[j][g] = _mm256_dpbf16_ps(acc[j][g], (__m256bh)a[g], b);
     }
   };
-  auto step = [&](int64_t p, __m256(&acc)[NB][G]) { pair_step(p, acc, [](const BFloat16* q) { return load_pair(q); }); };
+  auto step = [&](int64_t p, __m256(&acc)[NB][G]) {
+    pair_step(p, acc, [](const BFloat16* q) { return load_pair(q); });
+  };
   auto last = [&](__m256(&acc)[NB][G]) {
     if (K % 2) pair_step(K / 2, acc, [](const BFloat16* q) { return uint32_t(q->bits); });
   };
-  lanes_loop<G, NB, (G == 1 ? 4 : G == 2 ? 2 : 1)>(K / 2, reinterpret_cast<const char* const*>(w), ldw * 2, 4, step,
-                                                   last, out);
+  lanes_loop<G, NB,
+             (G == 1   ? 4
+              : G == 2 ? 2
+                       : 1)>(K / 2, reinterpret_cast<const char* const*>(w), ldw * 2, 4, step, last, out);
 }
 #endif
 
@@ -232,8 +240,8 @@ void lanes_rows(const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t ro
 }
 
 template <class P, class WT, class T>
-void lanes_rows_any(int G, const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols, T* C,
-                    int64_t ldc) {
+void lanes_rows_any(int G, const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols,
+                    T* C, int64_t ldc) {
   switch (G) {
     case 1:
       return lanes_rows<1>(packed, W, ldw, K, rows, cols, C, ldc);
@@ -261,7 +269,8 @@ inline void pack_pairs(const BFloat16* A, int64_t lda, int64_t rows, int64_t L, 
     for (int64_t r = rows; r < L; ++r) P[p * L + r] = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const BFloat16* a = A + r * lda;
-    for (int64_t p = 0; p < K / 2; ++p) P[p * L + r] = uint32_t(a[2 * p].bits) | uint32_t(a[2 * p + 1].bits) << 16;
+    for (int64_t p = 0; p < K / 2; ++p)
+      P[p * L + r] = uint32_t(a[2 * p].bits) | uint32_t(a[2 * p + 1].bits) << 16;
     if (K % 2) P[(K / 2) * L + r] = a[K - 1].bits;
   }
 }
@@ -283,9 +292,9 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
 // C = A B^T through the lanes form. fp32 and (with avx512bf16) bf16 read B in place; fp16 and bf16 without
 // the dot-product instruction convert kColStep rows of B at a time to fp32 (each element once, into cache).
 // Rows in 8-row groups: a group costs the same whatever its rows, so where M leaves 1 to kDotRows rows over
-// (fp32 and bf16 in place), those go through the dot-product blocks instead, right after the lanes blocks have
-// brought the same B rows into cache (a 16-element dot product per row costs what a whole 8-row group does per
-// element).
+// (fp32 and bf16 in place), those go through the dot-product blocks instead, right after the lanes blocks
+// have brought the same B rows into cache (a 16-element dot product per row costs what a whole 8-row group
+// does per element).
 constexpr int64_t kDotRows = 3;  // measured on Zen 4 (bf16): 1 to 3 rows faster this way, 4 (spilling) slower
 
 template <class T>
@@ -312,7 +321,8 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
   }
   P* packed = static_cast<P*>(scratch<0>(std::max<int64_t>(1, at[chunks]) * sizeof(P)));
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t rows = std::min(kRows, Ml - c * kRows), L = (at[c + 1] - at[c]) / std::max<int64_t>(1, depth);
+    const int64_t rows = std::min(kRows, Ml - c * kRows),
+                  L = (at[c + 1] - at[c]) / std::max<int64_t>(1, depth);
     if constexpr (kPairs)
       pack_pairs(A + c * kRows * lda, lda, rows, L, K, packed + at[c]);
     else
@@ -359,13 +369,14 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
 
 }  // namespace
 
-void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B, int64_t ldb,
-             void* C, int64_t ldc) {
+void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
+             int64_t ldb, void* C, int64_t ldc) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
 #if defined(__AVX512F__)
     if constexpr (!std::is_same_v<T, double>) {
-      lanes_gemm<T>(static_cast<const T*>(A), lda, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M, N, K);
+      lanes_gemm<T>(static_cast<const T*>(A), lda, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M,
+                    N, K);
       return;
     }
 #endif

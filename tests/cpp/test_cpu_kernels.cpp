@@ -271,8 +271,9 @@ TEST_P(CpuKernels, GroupedMmBothLayoutsForwardBackwardMatchReference) {
 
 // The forward's small-group path (groups under 64 rows, b in nn.Linear layout: the "NT" kernel) against float64
 // math, with an error bound per element: the output's rounding plus fp32 accumulation over K terms
-// (K * 2^-23 * sum_k |a_k b_k|; fp64 for float64). Group sizes straddle the kernels' 8-row groups, 32-row passes and dot-product
-// rows; K is odd (bf16 pairs, 16-step loops) and N leaves every column-block remainder; b and a come strided.
+// (K * 2^-23 * sum_k |a_k b_k|; fp64 for float64). Group sizes straddle the kernels' 8-row groups, 32-row
+// passes and dot-product rows; K is odd (bf16 pairs, 16-step loops) and N leaves every column-block remainder;
+// b and a come strided.
 ::testing::AssertionResult within_bound(const at::Tensor& got, const at::Tensor& a, const at::Tensor& b,
                                         const at::Tensor& offs) {
   const at::Tensor ad = a.to(at::kDouble), bd = b.to(at::kDouble);
