@@ -102,7 +102,6 @@ void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, i
 constexpr int kLanes = 8;      // rows per accumulator register (ymm: same FMA rate as zmm on Zen 4, and a
                                // finer step for uneven groups)
 constexpr int kMaxGroups = 4;  // 8-row groups per pass over B: up to 32 rows
-constexpr int kColStep = 24;   // B rows per step (fp16 converts them at once), a multiple of kBlockCols
 // Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
 // block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2.
 constexpr int kPrefetchBytes = 256;
@@ -289,10 +288,9 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
   run(std::integral_constant<int, 1>{});
 }
 
-// C = A B^T through the lanes form. fp32 and (with avx512bf16) bf16 read B in place; fp16 and bf16 without
-// the dot-product instruction convert kColStep rows of B at a time to fp32 (each element once, into cache).
-// Rows in 8-row groups: a group costs the same whatever its rows, so where M leaves 1 to kDotRows rows over
-// (fp32 and bf16 in place), those go through the dot-product blocks instead, right after the lanes blocks
+// C = A B^T through the lanes form, fp32 or (avx512bf16) bf16, B read in place. Rows in 8-row groups: a group
+// costs the same whatever its rows, so where M leaves 1 to kDotRows rows over, those go through the
+// dot-product blocks instead, right after the lanes blocks
 // have brought the same B rows into cache (a 16-element dot product per row costs what a whole 8-row group
 // does per element).
 constexpr int64_t kDotRows = 3;  // measured on Zen 4 (bf16): 1 to 3 rows faster this way, 4 (spilling) slower
@@ -307,8 +305,7 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
 #else
   constexpr bool kPairs = false;
 #endif
-  constexpr bool kInPlace = std::is_same_v<T, float> || kPairs;
-  const int64_t tail = kInPlace && M % kLanes <= kDotRows ? M % kLanes : 0;
+  const int64_t tail = M % kLanes <= kDotRows ? M % kLanes : 0;
   const int64_t Ml = M - tail;  // rows through the lanes form
   const int64_t chunks = (Ml + kRows - 1) / kRows;
   using P = std::conditional_t<kPairs, uint32_t, float>;
@@ -335,34 +332,19 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
                      C + c * kRows * ldc + n0, ldc);
     }
   };
-  if constexpr (kInPlace) {
-    // The dot-product rows, copied one 64-byte line apart (rows of a power-of-two length would share the L1
-    // set of the B rows).
-    const int64_t ldt = (K + 63) / 64 * 64 + 64 / static_cast<int64_t>(sizeof(T));
-    T* At = static_cast<T*>(scratch<2>(std::max<int64_t>(1, tail * ldt) * sizeof(T)));
-    for (int64_t r = 0; r < tail; ++r) std::memcpy(At + r * ldt, A + (Ml + r) * lda, K * sizeof(T));
-    T* Ct = C + Ml * ldc;
-    for (int64_t n0 = 0; n0 < N; n0 += kBlockCols) {
-      const int64_t cols = std::min<int64_t>(kBlockCols, N - n0);
-      const T* W = B + n0 * ldb;
-      pass(W, ldb, n0, cols);
-      if (tail == 1) dot_rows<T, 1>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-      if (tail == 2) dot_rows<T, 2>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-      if (tail == 3) dot_rows<T, 3>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-    }
-  } else {
-    float* wf = static_cast<float*>(scratch<1>(std::max<int64_t>(1, kColStep * K) * sizeof(float)));
-    const int64_t Kb = K - K % kBlock;
-    for (int64_t n0 = 0; n0 < N; n0 += kColStep) {
-      const int64_t cols = std::min<int64_t>(kColStep, N - n0);
-      for (int64_t j = 0; j < cols; ++j) {
-        const T* src = B + (n0 + j) * ldb;
-        float* dst = wf + j * K;
-        for (int64_t k = 0; k < Kb; k += kBlock) store_native(dst + k, load<float>(src + k));
-        for (int64_t k = Kb; k < K; ++k) dst[k] = to_float(src[k]);
-      }
-      pass(static_cast<const float*>(wf), K, n0, cols);
-    }
+  // The dot-product rows, copied one 64-byte line apart (rows of a power-of-two length would share the L1
+  // set of the B rows).
+  const int64_t ldt = (K + 63) / 64 * 64 + 64 / static_cast<int64_t>(sizeof(T));
+  T* At = static_cast<T*>(scratch<2>(std::max<int64_t>(1, tail * ldt) * sizeof(T)));
+  for (int64_t r = 0; r < tail; ++r) std::memcpy(At + r * ldt, A + (Ml + r) * lda, K * sizeof(T));
+  T* Ct = C + Ml * ldc;
+  for (int64_t n0 = 0; n0 < N; n0 += kBlockCols) {
+    const int64_t cols = std::min<int64_t>(kBlockCols, N - n0);
+    const T* W = B + n0 * ldb;
+    pass(W, ldb, n0, cols);
+    if (tail == 1) dot_rows<T, 1>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
+    if (tail == 2) dot_rows<T, 2>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
+    if (tail == 3) dot_rows<T, 3>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
   }
 }
 #endif
@@ -374,7 +356,14 @@ void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
 #if defined(__AVX512F__)
-    if constexpr (!std::is_same_v<T, double>) {
+#if defined(__AVX512BF16__)
+    constexpr bool kLanesForm = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
+#else
+    constexpr bool kLanesForm = std::is_same_v<T, float>;
+#endif
+    // fp16, and bf16 without the dot-product instruction, would convert B to fp32 first: measured slower than
+    // the dot-product blocks' conversion on load (1.3x at 16 rows, 3x at 1 row), so they keep those.
+    if constexpr (kLanesForm) {
       lanes_gemm<T>(static_cast<const T*>(A), lda, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M,
                     N, K);
       return;
