@@ -27,6 +27,18 @@ constexpr int64_t kColTile = 128;
 // Row tiles at least this tall go to BLAS in the forward (see grouped_mm_cpu).
 constexpr int64_t kBlasRows = 64;
 
+// Column tile of the forward's small-group tasks: each task packs its rows of a once and streams its columns
+// of b once, so the tiles are as wide as keeps every thread busy: at least kTasksPerThread tasks per thread
+// over all small groups, in multiples of kNtColStep (the kernels' column step).
+constexpr int64_t kTasksPerThread = 8;
+constexpr int64_t kNtColStep = 24;
+int64_t nt_col_tile(int64_t N, int64_t groups, int64_t threads) {
+  const int64_t wanted = kTasksPerThread * threads, g = std::max<int64_t>(1, groups);
+  const int64_t per_group = std::max<int64_t>(1, (wanted + g - 1) / g);
+  const int64_t tile = (N + per_group - 1) / per_group;
+  return std::max<int64_t>(kNtColStep, (tile + kNtColStep - 1) / kNtColStep * kNtColStep);
+}
+
 struct Task {
   int64_t group, r0, r1, c0, c1;
 };
@@ -197,7 +209,7 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
   at::Tensor out = empty_large({a.size(0), N}, a.options());
   const bool a_rows = a.stride(1) == 1 || K <= 1;
   const bool nt = kernel_dtype(a) && a_rows && b.stride(1) == 1;
-  const auto tasks = tile(group_starts(offs), N, /*tile_rows=*/true);
+  const auto tasks = nt ? std::vector<Task>{} : tile(group_starts(offs), N, /*tile_rows=*/true);
   const auto& k = cpu::kernel_table();
   const auto dt = cpu_dtype(a.scalar_type());
   const int64_t es = a.element_size();
@@ -209,16 +221,22 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
     // small row tiles; from kBlasRows rows on, BLAS's packed kernels amortize their packing and win (measured:
     // bf16 at 128 rows per group, 285 ms through BLAS vs 420 ms through the dot-product kernel).
     // A group of kBlasRows rows or more is one BLAS call over all its rows and columns (as the per-group loop
-    // does: one packing of its rows of a, no edge tiles); smaller groups are tiled for the dot-product kernel.
+    // does: one packing of its rows of a, no edge tiles); smaller groups go to gemm_nt whole (all their rows)
+    // in column tiles of nt_col_tile.
     std::vector<Task> nt_tasks;
     const std::vector<int64_t> starts = group_starts(offs);
-    for (const Task& t : tasks) {
-      const int64_t s = starts[t.group], end = starts[t.group + 1];
-      if (end - s < kBlasRows) {
-        nt_tasks.push_back(t);
-      } else if (t.r0 == s && t.c0 == 0) {
-        nt_tasks.push_back({t.group, s, end, 0, N});
+    const int64_t E = static_cast<int64_t>(starts.size()) - 1;
+    int64_t small = 0;
+    for (int64_t e = 0; e < E; ++e) small += starts[e + 1] > starts[e] && starts[e + 1] - starts[e] < kBlasRows;
+    const int64_t col_tile = nt_col_tile(N, small, at::get_num_threads());
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t s = starts[e], end = starts[e + 1];
+      if (s == end) continue;
+      if (end - s >= kBlasRows) {
+        nt_tasks.push_back({e, s, end, 0, N});
+        continue;
       }
+      for (int64_t c = 0; c < N; c += col_tile) nt_tasks.push_back({e, s, end, c, std::min(c + col_tile, N)});
     }
     run_tasks(nt_tasks, [&](const Task& t) {
       if (t.r1 - t.r0 >= kBlasRows) {

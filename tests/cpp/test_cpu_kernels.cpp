@@ -1,9 +1,12 @@
 // The CPU kernels at every instruction-set level this machine runs, against the reference kernels, forward and
 // backward, per dtype, on odd sizes and strided inputs. (Python tests add gradcheck, opcheck and transformers.)
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -264,6 +267,97 @@ TEST_P(CpuKernels, GroupedMmBothLayoutsForwardBackwardMatchReference) {
     EXPECT_TRUE(close(b.grad(), br.grad(), wide));
     EXPECT_EQ(b.grad().select(0, empty_group).abs().sum().item<double>(), 0.0);
   }
+}
+
+// The forward's small-group path (groups under 64 rows, b in nn.Linear layout: the "NT" kernel) against float64
+// math, with an error bound per element: the output's rounding plus fp32 accumulation over K terms
+// (K * 2^-23 * sum_k |a_k b_k|; fp64 for float64). Group sizes straddle the kernels' 8-row groups, 32-row
+// passes and dot-product rows; K is odd (bf16 pairs, 16-step loops) and N leaves every column-block remainder;
+// b and a come strided.
+::testing::AssertionResult within_bound(const at::Tensor& got, const at::Tensor& a, const at::Tensor& b,
+                                        const at::Tensor& offs) {
+  const at::Tensor ad = a.to(at::kDouble), bd = b.to(at::kDouble);
+  const at::Tensor ref = at::empty({a.size(0), b.size(2)}, at::kDouble), mag = at::empty_like(ref);
+  int64_t start = 0;
+  for (int64_t e = 0; e < offs.size(0); ++e) {
+    const int64_t end = offs[e].item<int64_t>();
+    ref.slice(0, start, end).copy_(at::mm(ad.slice(0, start, end), bd[e]));
+    mag.slice(0, start, end).copy_(at::mm(ad.slice(0, start, end).abs(), bd[e].abs()));
+    start = end;
+  }
+  const double unit = got.scalar_type() == at::kBFloat16 ? std::ldexp(1.0, -8)
+                      : got.scalar_type() == at::kHalf   ? std::ldexp(1.0, -11)
+                                                         : 0.0;
+  const double acc = got.scalar_type() == at::kDouble ? std::ldexp(1.0, -52) : std::ldexp(1.0, -23);
+  // Plus half the spacing of the output's subnormals (fp16), or the smallest normal float where subnormals
+  // are flushed (avx512bf16's bf16 rounding).
+  const double tiny = got.scalar_type() == at::kHalf ? std::ldexp(1.0, -25) : std::numeric_limits<float>::min();
+  const at::Tensor bound = unit * ref.abs() + double(a.size(1)) * acc * mag + tiny;
+  const at::Tensor err = (got.to(at::kDouble) - ref).abs();
+  const at::Tensor over = err > bound;
+  if (!over.any().item<bool>() && !got.to(at::kDouble).isnan().any().item<bool>())
+    return ::testing::AssertionSuccess();
+  const int64_t i = (err - bound).argmax().item<int64_t>();
+  const int64_t r = i / ref.size(1), c = i % ref.size(1);
+  return ::testing::AssertionFailure() << over.sum().item<int64_t>() << " elements over the bound; worst at ["
+                                       << r << ", " << c << "]: got " << got.to(at::kDouble)[r][c].item<double>()
+                                       << ", want " << ref[r][c].item<double>() << ", bound "
+                                       << bound[r][c].item<double>();
+}
+
+TEST_P(CpuKernels, GroupedMmForwardSmallGroupsMatchFloat64) {
+  const std::vector<int> sizes = {0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19, 20,
+                                  23, 24, 25, 31, 32, 33, 34, 35, 40, 41, 47, 48, 57, 63, 0};
+  std::vector<int> ends;
+  int total = 0;
+  for (int n : sizes) ends.push_back(total += n);
+  const at::Tensor offs = at::tensor(ends, at::kInt);
+  const int64_t E = static_cast<int64_t>(sizes.size()), T = total;
+  for (int64_t K : {1, 77, 259})
+    for (int64_t N : {1, 53, 70})
+      for (bool strided : {false, true}) {
+        if (K == 1 && N == 70) continue;
+        SCOPED_TRACE("K = " + std::to_string(K) + ", N = " + std::to_string(N) + (strided ? ", strided" : ""));
+        // b[e] = W[e]^T with W [E, N, K] rows K-contiguous; strided: rows K + 5 apart, a's rows K + 3 apart.
+        at::Tensor W = at::randn({E, N, strided ? K + 5 : K}, at::kDouble).to(dtype()).narrow(2, 0, K);
+        at::Tensor a = at::randn({T, strided ? K + 3 : K}, at::kDouble).to(dtype()).narrow(1, 0, K);
+        poison_allocator();
+        const at::Tensor y = kernmap::grouped_mm(a, W.transpose(1, 2), offs);
+        ASSERT_EQ(y.sizes(), (at::IntArrayRef{T, N}));
+        EXPECT_TRUE(within_bound(y, a, W.transpose(1, 2), offs));
+      }
+}
+
+// A non-finite input reaches only its own row (a) or column (b): rows share registers in the kernels.
+TEST_P(CpuKernels, GroupedMmForwardKeepsNonFiniteValuesInTheirRowAndColumn) {
+  const at::Tensor offs = at::tensor({17, 17, 40}, at::kInt);
+  at::Tensor a = at::randn({40, 67}, at::kDouble).to(dtype());
+  at::Tensor W = at::randn({3, 29, 67}, at::kDouble).to(dtype());
+  a[3][10] = std::numeric_limits<double>::infinity();
+  W[2][5][66] = std::numeric_limits<double>::quiet_NaN();
+  const at::Tensor y = kernmap::grouped_mm(a, W.transpose(1, 2), offs).to(at::kDouble);
+  const at::Tensor bad = ~y.isfinite();
+  at::Tensor expected = at::zeros({40, 29}, at::kBool);
+  expected[3].fill_(true);                         // row 3 (group 0) times every column
+  expected.slice(0, 17, 40).select(1, 5).fill_(true);  // column 5 of group 2's rows
+  EXPECT_TRUE(at::equal(bad, expected)) << bad.nonzero();
+}
+
+// Each output element is summed in one order whatever the thread count (the column tiles per task change with
+// it): the same bits at 1, 2 and 3 threads.
+TEST_P(CpuKernels, GroupedMmForwardSameBitsAtAnyThreadCount) {
+  const at::Tensor offs = at::tensor({9, 9, 26, 59, 60, 100, 122}, at::kInt);
+  const at::Tensor a = at::randn({122, 301}, at::kDouble).to(dtype());
+  const at::Tensor W = at::randn({7, 250, 301}, at::kDouble).to(dtype());
+  const int previous = at::get_num_threads();
+  std::vector<at::Tensor> out;
+  for (int threads : {1, 2, 3}) {
+    at::set_num_threads(threads);
+    out.push_back(kernmap::grouped_mm(a, W.transpose(1, 2), offs));
+  }
+  at::set_num_threads(previous);
+  EXPECT_TRUE(at::equal(out[0], out[1]));
+  EXPECT_TRUE(at::equal(out[0], out[2]));
 }
 
 TEST_P(CpuKernels, EmptyInputs) {
