@@ -41,6 +41,7 @@ int64_t nt_col_tile(int64_t N, int64_t groups, int64_t threads) {
 
 struct Task {
   int64_t group, r0, r1, c0, c1;
+  bool blas = false;  // the backward's kernel/BLAS choice for this task's group (backward_tiles)
 };
 
 std::vector<int64_t> group_starts(const at::Tensor& offs) {
@@ -79,15 +80,51 @@ std::vector<Task> blas_tiles(const std::vector<int64_t>& starts, int64_t cols) {
   return tasks;
 }
 
+// The backward's outer products keep a task's partial sums (rows x columns, fp32) in scratch: this many elements
+// (256 KiB) fit the level-2 cache next to the panel of the weight being streamed.
+constexpr int64_t kScratchElems = 64 * 1024;
+// Columns of the outer-product kernels' register blocks.
+constexpr int64_t kBcastCols = 64;
+
+// Tasks of grad @ W (W [K, N] row-major): groups in row tiles of at most kRowTile rows (equal tiles, so a
+// group of 130 rows is not a tile of 128 and one of 2 that reads W again for little work), each in column
+// tiles of whole register blocks with rows x columns <= kScratchElems (all of N for small groups).
+std::vector<Task> bcast_tiles(const std::vector<int64_t>& starts, int64_t N) {
+  std::vector<Task> tasks;
+  for (size_t e = 0; e + 1 < starts.size(); ++e) {
+    const int64_t s = starts[e], rows = starts[e + 1] - s;
+    if (rows == 0) continue;
+    const int64_t row_tiles = (rows + kRowTile - 1) / kRowTile;
+    const int64_t row_step = (rows + row_tiles - 1) / row_tiles;
+    const int64_t col_step = std::max(kBcastCols, kScratchElems / row_step / kBcastCols * kBcastCols);
+    for (int64_t r = s; r < s + rows; r += row_step)
+      for (int64_t c = 0; c < N; c += col_step)
+        tasks.push_back({static_cast<int64_t>(e), r, std::min(r + row_step, s + rows), c, std::min(c + col_step, N)});
+  }
+  return tasks;
+}
+
+// Tasks of the weight gradients out[e] = x_e^T y_e ([M, N] per group): row tiles of each group's block over all
+// N columns, with rows x N <= kScratchElems (at least one register block of rows); r0, r1 are rows of out[e].
+std::vector<Task> weight_grad_tiles(int64_t E, int64_t M, int64_t N) {
+  const int64_t row_step = std::max<int64_t>(4, kScratchElems / std::max<int64_t>(N, 1) / 4 * 4);
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < M; r += row_step) tasks.push_back({e, r, std::min(r + row_step, M), 0, N});
+  return tasks;
+}
+
 // Runs the tasks on the intra-op threads, each thread a contiguous run of tasks of about equal work (rows x
 // columns): at::parallel_for alone would give each thread an equal number of tasks, and groups are uneven (one
 // thread got the larger half of 60 experts' rows and the other waited). Each task writes its own output, so the
 // split does not change any result.
-void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Task&)>& f) {
+// `cost` replaces the rows x columns estimate where a task's time is not proportional to its area.
+void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Task&)>& f,
+               const std::function<int64_t(const Task&)>& cost = {}) {
   const int64_t n = static_cast<int64_t>(tasks.size());
   std::vector<int64_t> work(n + 1, 0);
   for (int64_t i = 0; i < n; ++i)
-    work[i + 1] = work[i] + (tasks[i].r1 - tasks[i].r0) * (tasks[i].c1 - tasks[i].c0);
+    work[i + 1] = work[i] + (cost ? cost(tasks[i]) : (tasks[i].r1 - tasks[i].r0) * (tasks[i].c1 - tasks[i].c0));
   // One chunk per thread even when there are fewer tasks, so the tasks always run inside the parallel region:
   // a BLAS call made there is single-threaded, the same as on one thread (bit-identical results).
   const int64_t chunks = std::max<int64_t>(1, at::get_num_threads());
@@ -198,11 +235,18 @@ void check_offs(const char* op, const at::Tensor& offs, int64_t E, int64_t T, co
 // float64, which only the gradient checks use) go through one BLAS product per tile.
 bool kernel_dtype(const at::Tensor& t) { return t.scalar_type() != at::kDouble; }
 
-// The backward products (grad_a = grad @ b[e]^T, weight gradients) of fp32 and bf16 go to BLAS, one call per
-// group and column tile, at every group size: measured on one thread at E128 k8 H2048 I768 (fp32 / bf16),
-// 16 rows a group: outer-product kernels 660 / 408 ms for grad_a + grad_b, BLAS 575 / 311 ms; 128 rows a group:
-// 2950 / 2200 ms against 2390 / 1130 ms. fp16 (no fast CPU BLAS) keeps the kernels.
+// Backward products of fp32 and bf16 in layouts the kernels do not read: one BLAS call per group and column
+// tile of kBlasCols (fp16, without a fast CPU BLAS, and fp64: tiles of the forward's size).
 bool backward_blas(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
+// Where the backward's operands suit the outer-product kernels (row-major grad, N-contiguous weight rows), they
+// take every fp32 and fp16 group and the bf16 groups under kBf16BlasRows rows; larger bf16 groups go to BLAS,
+// one call per group and kBlasCols columns. Measured on one thread, warm memory, grad_a + weight gradient of
+// gate_up at H2048 I768 (ms, kernels vs BLAS): 16 rows a group fp32 185+155 vs 316+250, bf16 112+136 vs
+// 164+137; 128 rows fp32 1037+1138 vs 1190+1173, bf16 719+807 vs 562+548; E60 I1408 68 rows bf16 339+396 vs
+// 295+271 (down_proj's products: the kernels win at every size).
+constexpr int64_t kBf16BlasRows = 64;
+bool blas_group(at::ScalarType t, int64_t rows) { return t == at::kBFloat16 && rows >= kBf16BlasRows; }
 
 at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
   const int64_t N = b.size(2), K = a.size(1);
@@ -247,16 +291,33 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
       k.gemm_nt(dt, t.r1 - t.r0, t.c1 - t.c0, K, pa + t.r0 * a.stride(0) * es, a.stride(0),
                 pb + (t.group * b.stride(0) + t.c0 * b.stride(2)) * es, b.stride(2), po + (t.r0 * N + t.c0) * es, N);
     });
+  } else if (kernel_dtype(a) && a_rows && b.stride(2) == 1) {
+    // b[e] is [K, N] with N-contiguous rows (the backward's grad @ W): outer products, one task per row tile x
+    // column tile that reads its panel of b[e] once while the kernel keeps the tile's partial sums in scratch
+    // (large bf16 groups: BLAS, see blas_group).
+    std::vector<Task> bw_tasks;
+    const std::vector<int64_t> starts = group_starts(offs);
+    for (const Task& t : bcast_tiles(starts, N))
+      if (!blas_group(a.scalar_type(), starts[t.group + 1] - starts[t.group])) bw_tasks.push_back(t);
+    for (Task t : blas_tiles(starts, N))
+      if (blas_group(a.scalar_type(), t.r1 - t.r0)) {
+        t.blas = true;
+        bw_tasks.push_back(t);
+      }
+    run_tasks(bw_tasks, [&](const Task& t) {
+      if (t.blas) {
+        at::Tensor dst = out.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1);
+        at::mm_out(dst, a.slice(0, t.r0, t.r1), b.select(0, t.group).slice(1, t.c0, t.c1));
+        return;
+      }
+      k.gemm_bcast(dt, t.r1 - t.r0, t.c1 - t.c0, K, pa + t.r0 * a.stride(0) * es, a.stride(0), 1,
+                   pb + (t.group * b.stride(0) + t.c0) * es, b.stride(1), po + (t.r0 * N + t.c0) * es, N,
+                   /*stream=*/false);
+    });
   } else if (backward_blas(a)) {
     run_tasks(blas_tiles(group_starts(offs), N), [&](const Task& t) {
       at::Tensor dst = out.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1);
       at::mm_out(dst, a.slice(0, t.r0, t.r1), b.select(0, t.group).slice(1, t.c0, t.c1));
-    });
-  } else if (kernel_dtype(a) && a_rows && b.stride(2) == 1) {
-    // b[e] is [K, N] with N-contiguous rows: outer products.
-    run_tasks(tasks, [&](const Task& t) {
-      k.gemm_bcast(dt, t.r1 - t.r0, t.c1 - t.c0, K, pa + t.r0 * a.stride(0) * es, a.stride(0), 1,
-                   pb + (t.group * b.stride(0) + t.c0) * es, b.stride(1), po + (t.r0 * N + t.c0) * es, N);
     });
   } else {
     run_tasks(tasks, [&](const Task& t) {
@@ -271,18 +332,6 @@ at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, con
   const int64_t E = offs.size(0), M = x.size(1), N = y.size(1);
   at::Tensor out = empty_large({E, M, N}, x.options());
   const std::vector<int64_t> starts = group_starts(offs);
-  for (int64_t e = 0; e < E; ++e)
-    if (starts[e] == starts[e + 1]) out.select(0, e).zero_();
-  // Each task owns a column tile of one group's [M, N] block and sums over all of the group's rows in order, so
-  // the result does not depend on the thread count.
-  if (backward_blas(x)) {
-    run_tasks(blas_tiles(starts, N), [&](const Task& t) {
-      at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
-      at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
-    });
-    return out;
-  }
-  const auto tasks = tile(starts, N, /*tile_rows=*/false);
   if (kernel_dtype(x) && (y.stride(1) == 1 || N <= 1)) {
     const auto& k = cpu::kernel_table();
     const auto dt = cpu_dtype(x.scalar_type());
@@ -290,17 +339,48 @@ at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, con
     const char* px = static_cast<const char*>(x.const_data_ptr());
     const char* py = static_cast<const char*>(y.const_data_ptr());
     char* po = static_cast<char*>(out.data_ptr());
-    run_tasks(tasks, [&](const Task& t) {
-      // out[e][i, n] = sum_r x[r, i] * y[r, n]: A(i, r) = x[r, i].
-      k.gemm_bcast(dt, M, t.c1 - t.c0, t.r1 - t.r0, px + t.r0 * x.stride(0) * es, x.stride(1), x.stride(0),
-                   py + (t.r0 * y.stride(0) + t.c0) * es, y.stride(0), po + (t.group * M * N + t.c0) * es, N);
-    });
-  } else {
-    run_tasks(tasks, [&](const Task& t) {
-      at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
-      at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
-    });
+    // Each task owns rows [r0, r1) of one group's [M, N] block (all columns: the output is written front to
+    // back) and sums over all of the group's rows in order, so the result does not depend on the thread count.
+    // An empty group's block is zeros (a reduction of no rows). Nothing reads the gradient soon and it is as
+    // large as the weights: streaming stores. Large bf16 groups: one BLAS call per kBlasCols columns (then r0,
+    // r1 are the group's rows), see blas_group.
+    std::vector<Task> tasks;
+    for (const Task& t : weight_grad_tiles(E, M, N))
+      if (!blas_group(x.scalar_type(), starts[t.group + 1] - starts[t.group])) tasks.push_back(t);
+    for (Task t : blas_tiles(starts, N))
+      if (blas_group(x.scalar_type(), t.r1 - t.r0)) {
+        t.blas = true;
+        tasks.push_back(t);
+      }
+    run_tasks(
+        tasks,
+        [&](const Task& t) {
+          if (t.blas) {
+            at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
+            at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
+            return;
+          }
+          const int64_t s = starts[t.group], rows = starts[t.group + 1] - s;
+          // out[e][i, n] = sum_r x[r, i] * y[r, n]: A(i, r) = x[r, i].
+          k.gemm_bcast(dt, t.r1 - t.r0, N, rows, px + (s * x.stride(0) + t.r0 * x.stride(1)) * es, x.stride(1),
+                       x.stride(0), py + s * y.stride(0) * es, y.stride(0), po + (t.group * M + t.r0) * N * es, N,
+                       /*stream=*/true);
+        },
+        // Writing the block costs about as much as 16 more rows of the reduction.
+        [&](const Task& t) {
+          const int64_t rows = starts[t.group + 1] - starts[t.group];
+          return t.blas ? M * (t.c1 - t.c0) * (rows + 16) : (t.r1 - t.r0) * N * (rows + 16);
+        });
+    return out;
   }
+  for (int64_t e = 0; e < E; ++e)
+    if (starts[e] == starts[e + 1]) out.select(0, e).zero_();
+  // Other layouts (fp32 and bf16: tiles of kBlasCols columns) and float64: one BLAS product per group x column
+  // tile.
+  run_tasks(backward_blas(x) ? blas_tiles(starts, N) : tile(starts, N, /*tile_rows=*/false), [&](const Task& t) {
+    at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
+    at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
+  });
   return out;
 }
 

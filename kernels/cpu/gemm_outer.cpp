@@ -1,6 +1,8 @@
 // Outer-product form of small-M matrix products for the grouped backward passes (broadcast a scalar of A, multiply
-// a vector of B's row). Compiled once per instruction-set level.
+// a vector of B's row), blocked along the reduction so B streams through the cache once per call while the
+// partial sums wait in an fp32 scratch block. Compiled once per instruction-set level.
 #include <algorithm>
+#include <vector>
 
 #include "kernels/cpu/vec.h"
 
@@ -9,22 +11,68 @@ namespace KERNMAP_CPU_LEVEL {
 namespace {
 
 constexpr int64_t kPrefetchRows = 8;
+constexpr int kBcastRows = 4;
+constexpr int kBcastVecs = 4;
 
-// Scalar math: C[m, n] = round(sum_p float(A(m, p)) * float(B[p, n]))
-// Register block: MR rows of C x NV vectors along n, accumulated over all of P.
-template <class T, int MR, int NV>
-void bcast_block(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t P) {
+// Bytes of B per block of the reduction (rows of B's full-width column range): the block being computed and
+// the next one, fetched meanwhile, stay in the level-2 cache (1 MiB on the development machine) next to the
+// partial sums. The step count is a multiple of 8 (even: the paired bf16 steps never straddle two blocks).
+// Measured on one thread, fp32 grad @ W at E128 H2048 I768 with 16 rows a group: 128 KiB 189-196 ms, 256 KiB
+// 183-187 ms, 384 KiB 201 ms; 64 rows of 8 KiB (512 KiB) 209 ms.
+constexpr int64_t kBlockBytes = 256 * 1024;
+
+// The partial sums of one register block between reduction blocks: fp32 (fp64 for fp64) rows of ld elements.
+template <class Ac>
+struct Partial {
+  Ac* sums;     // null: the whole reduction in one pass
+  int64_t ld;
+  bool resume;  // start from the sums (else from zero)
+  bool park;    // end by writing the sums back (else round into C)
+};
+
+// The calling thread's scratch for partial sums, grown on demand (a task's block: up to a few hundred KiB).
+template <class Ac, int Tag = 0>
+Ac* scratch(int64_t n) {
+  thread_local std::vector<Ac> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// A run of cache lines to prefetch, walked row by row through a region whose rows are `row_lines` lines wide
+// and `ld` bytes apart: `lines` lines from line `col` of row `row`, `per_step` of them each step of a block.
+struct Fetch {
+  const char* base = nullptr;
+  int64_t ld = 0, row_lines = 1, row = 0, col = 0, lines = 0, per_step = 0;
+  inline void step() {
+    for (int64_t i = 0; i < per_step && lines > 0; ++i, --lines) {
+      __builtin_prefetch(base + row * ld + col * 64);
+      if (++col == row_lines) {
+        col = 0;
+        ++row;
+      }
+    }
+  }
+};
+
+// Scalar math: C[m, n] = round(sum_p float(A(m, p)) * float(B[p, n])), p in order.
+// Register block: MR rows of C x NV vectors along n, over P steps of p (one block of the reduction).
+template <class T, int MR, int NV, bool Stream>
+void bcast_block(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t P,
+                 const Partial<Acc<T>>& part, bool near = true, Fetch fetch = {}) {
   using Ac = Acc<T>;
   using V = Vec<Ac>;
   V acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+    for (int j = 0; j < NV; ++j) acc[i][j] = part.resume ? load_native(part.sums + i * part.ld + j * kBlock) : V{};
   for (int64_t p = 0; p < P; ++p) {
-    // B's rows are ldb apart (often a page or more): the hardware prefetchers do not follow, so fetch the rows a
-    // few iterations ahead (one hint per cache line of the NV vectors).
-    if (p + kPrefetchRows < P)
+    // B's rows are ldb apart (often a page or more): the hardware prefetchers do not follow. `near`: fetch
+    // this panel's rows a few iterations ahead (one hint per cache line); `fetch`: a share of the caller's
+    // next reduction block, in memory order.
+    fetch.step();
+    if (near && p + kPrefetchRows < P) {
       for (int64_t off = 0; off < NV * kBlock * int64_t(sizeof(T)); off += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(B + (p + kPrefetchRows) * ldb) + off);
+    }
     V b[NV];
     for (int j = 0; j < NV; ++j) b[j] = load<Ac>(B + p * ldb + j * kBlock);
     for (int i = 0; i < MR; ++i) {
@@ -33,63 +81,82 @@ void bcast_block(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, 
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) store(C + i * ldc + j * kBlock, acc[i][j]);
+    for (int j = 0; j < NV; ++j) {
+      if (part.park)
+        store_native(part.sums + i * part.ld + j * kBlock, acc[i][j]);
+      else
+        store_out<Stream>(C + i * ldc + j * kBlock, acc[i][j]);
+    }
 }
 
 #if defined(__AVX512BF16__)
 // bf16 outer products with the dot-product instruction, two steps of p at a time: lane l of a dot product adds
 // a[2l] * b[2l] + a[2l+1] * b[2l+1], so the pair (A(m, p), A(m, p+1)) is broadcast to every lane and rows p and
 // p+1 of B are interleaved (unpack within 128-bit lanes). The unpacks permute the columns: the low half holds
-// columns {0-3, 8-11, 16-19, 24-27} of a 32-column chunk, the high half the others; the stores undo it.
-// Products are exact and sums fp32, as in the dot-product block above; an odd last step pairs with zeros.
-template <int MR>
+// columns {0-3, 8-11, 16-19, 24-27} of a 32-column chunk, the high half the others; the final stores undo it
+// (partial sums are parked in the permuted order). Products are exact and sums fp32; an odd last step pairs
+// with zeros. PairInRow: A(m, p + 1) follows A(m, p) in memory (a_p == 1), one 32-bit load per pair.
+// One paired step: rows p and p+1 of B's 64 columns (r0*, r1*), interleaved, times A's pairs of MR rows.
+template <int MR, bool PairInRow>
+__attribute__((always_inline)) inline void dp_step(__m512 (&acc)[MR][4], __m512i r0a, __m512i r0b, __m512i r1a,
+                                                   __m512i r1b, const uint16_t* a, int64_t a_m, int64_t a_p,
+                                                   bool pair) {
+  const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(r0a, r1a), b1 = (__m512bh)_mm512_unpackhi_epi16(r0a, r1a);
+  const __m512bh b2 = (__m512bh)_mm512_unpacklo_epi16(r0b, r1b), b3 = (__m512bh)_mm512_unpackhi_epi16(r0b, r1b);
+  for (int i = 0; i < MR; ++i) {
+    const uint16_t* ai = a + i * a_m;
+    uint32_t bits;
+    if (PairInRow && pair)
+      std::memcpy(&bits, ai, 4);
+    else
+      bits = uint32_t(ai[0]) | (pair ? uint32_t(ai[a_p]) << 16 : 0u);
+    const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
+    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
+    acc[i][2] = _mm512_dpbf16_ps(acc[i][2], av, b2);
+    acc[i][3] = _mm512_dpbf16_ps(acc[i][3], av, b3);
+  }
+}
+
+template <int MR, bool Stream, bool PairInRow>
 void bcast_block_dp(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, int64_t ldb, BFloat16* C,
-                    int64_t ldc, int64_t P) {
+                    int64_t ldc, int64_t P, const Partial<float>& part, bool near, Fetch fetch) {
   constexpr int kChunks = 2;  // 2 x 32 columns
   __m512 acc[MR][2 * kChunks];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 2 * kChunks; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 2 * kChunks; ++j)
+      acc[i][j] = part.resume ? _mm512_loadu_ps(part.sums + i * part.ld + 16 * j) : _mm512_setzero_ps();
   const uint16_t* a16 = reinterpret_cast<const uint16_t*>(A);
-  auto step = [&](const __m512i (&rows0)[kChunks], const __m512i (&rows1)[kChunks], int64_t p, bool pair) {
-    __m512bh b[2 * kChunks];
-    for (int c = 0; c < kChunks; ++c) {
-      b[2 * c] = (__m512bh)_mm512_unpacklo_epi16(rows0[c], rows1[c]);
-      b[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(rows0[c], rows1[c]);
-    }
-    for (int i = 0; i < MR; ++i) {
-      const uint16_t* a = a16 + i * a_m + p * a_p;
-      const uint32_t bits = uint32_t(a[0]) | (pair ? uint32_t(a[a_p]) << 16 : 0u);
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
-      for (int j = 0; j < 2 * kChunks; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, b[j]);
-    }
-  };
   const int64_t Pe = P - P % 2;
   for (int64_t p = 0; p < Pe; p += 2) {
-    for (int64_t q = p + kPrefetchRows; q < std::min(P, p + kPrefetchRows + 2); ++q)
-      for (int64_t off = 0; off < kChunks * 64; off += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(B + q * ldb) + off);
-    __m512i r0[kChunks], r1[kChunks];
-    for (int c = 0; c < kChunks; ++c) {
-      r0[c] = _mm512_loadu_si512(B + p * ldb + 32 * c);
-      r1[c] = _mm512_loadu_si512(B + (p + 1) * ldb + 32 * c);
+    fetch.step();
+    fetch.step();
+    if (near) {
+      for (int64_t q = p + kPrefetchRows; q < std::min(P, p + kPrefetchRows + 2); ++q)
+        for (int64_t off = 0; off < kChunks * 64; off += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(B + q * ldb) + off);
     }
-    step(r0, r1, p, true);
+    const BFloat16* b = B + p * ldb;
+    dp_step<MR, PairInRow>(acc, _mm512_loadu_si512(b), _mm512_loadu_si512(b + 32), _mm512_loadu_si512(b + ldb),
+                           _mm512_loadu_si512(b + ldb + 32), a16 + p * a_p, a_m, a_p, true);
   }
   if (Pe < P) {
-    __m512i r0[kChunks], r1[kChunks];
-    for (int c = 0; c < kChunks; ++c) {
-      r0[c] = _mm512_loadu_si512(B + Pe * ldb + 32 * c);
-      r1[c] = _mm512_setzero_si512();
-    }
-    step(r0, r1, Pe, false);
+    const BFloat16* b = B + Pe * ldb;
+    dp_step<MR, PairInRow>(acc, _mm512_loadu_si512(b), _mm512_loadu_si512(b + 32), _mm512_setzero_si512(),
+                           _mm512_setzero_si512(), a16 + Pe * a_p, a_m, a_p, false);
+  }
+  if (part.park) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < 2 * kChunks; ++j) _mm512_storeu_ps(part.sums + i * part.ld + 16 * j, acc[i][j]);
+    return;
   }
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int i = 0; i < MR; ++i)
     for (int c = 0; c < kChunks; ++c) {
       const __m512 lo = acc[i][2 * c], hi = acc[i][2 * c + 1];
-      store_native(C + i * ldc + 32 * c, (VF)_mm512_permutex2var_ps(lo, lo_idx, hi));
-      store_native(C + i * ldc + 32 * c + 16, (VF)_mm512_permutex2var_ps(lo, hi_idx, hi));
+      store_out<Stream>(C + i * ldc + 32 * c, (VF)_mm512_permutex2var_ps(lo, lo_idx, hi));
+      store_out<Stream>(C + i * ldc + 32 * c + 16, (VF)_mm512_permutex2var_ps(lo, hi_idx, hi));
     }
 }
 #endif
@@ -107,40 +174,120 @@ void bcast_tail(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
     }
 }
 
-constexpr int kBcastRows = 4;
-constexpr int kBcastVecs = 4;
+// One column block of NV vectors for rows [0, M): row blocks of kBcastRows, then one block of the remaining
+// 1-3 rows (a block per leftover row would read B once per row).
+template <class Block>
+void row_blocks(int64_t M, Block&& block) {
+  const int64_t Mb = M - M % kBcastRows;
+  for (int64_t m = 0; m < Mb; m += kBcastRows) block(std::integral_constant<int, kBcastRows>{}, m);
+  switch (M - Mb) {
+    case 1:
+      return block(std::integral_constant<int, 1>{}, Mb);
+    case 2:
+      return block(std::integral_constant<int, 2>{}, Mb);
+    case 3:
+      return block(std::integral_constant<int, 3>{}, Mb);
+    default:
+      return;
+  }
+}
 
-template <class T>
+template <class T, bool Stream>
 void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
                 int64_t N, int64_t P) {
+  using Ac = Acc<T>;
   const int64_t wide = kBcastVecs * kBlock;
-  const int64_t Nw = N - N % wide, Nv = N - N % kBlock, Mb = M - M % kBcastRows;
-  for (int64_t n = 0; n < Nw; n += wide) {
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64) {
-      for (int64_t m = 0; m < Mb; m += kBcastRows)
-        bcast_block_dp<kBcastRows>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P);
-      for (int64_t m = Mb; m < M; ++m) bcast_block_dp<1>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P);
-      continue;
-    }
-#endif
-    for (int64_t m = 0; m < Mb; m += kBcastRows)
-      bcast_block<T, kBcastRows, kBcastVecs>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P);
-    for (int64_t m = Mb; m < M; ++m) bcast_block<T, 1, kBcastVecs>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P);
+  const int64_t Nw = N - N % wide, Nv = N - N % kBlock;
+  // The full-width column blocks go through the reduction in blocks of kBlockP steps (all column blocks of one
+  // reduction block before the next), their partial sums parked in an M x Nw scratch block; fp64 (the gradient
+  // checks) in one pass. The sums are the same either way: each element adds its products in order of p.
+  const int64_t block_p =
+      std::clamp<int64_t>(kBlockBytes / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, 16, 256);
+  const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
+  Ac* sums = step_p < P && Nw > 0 ? scratch<Ac>(M * Nw) : nullptr;
+  // A read across its rows (the weight gradients' x^T): copied once into M rows of P, so each register block
+  // reads its scalars (the bf16 pairs as one 32-bit load) from one short row.
+  if (a_p != 1 && P > 0 && Nw > 0) {
+    T* packed = scratch<T, 1>(M * P);
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t m = 0; m < M; ++m) packed[m * P + p] = A[m * a_m + p * a_p];
+    A = packed;
+    a_m = P;
+    a_p = 1;
   }
+  const int64_t row_blocks_n = (M + kBcastRows - 1) / kBcastRows, calls = Nw / wide * row_blocks_n;
+  for (int64_t p0 = 0; p0 < std::max<int64_t>(P, 1); p0 += step_p) {
+    const int64_t pn = std::min(step_p, P - p0);
+    const bool resume = p0 > 0, park = p0 + pn < P;
+    // While this reduction block is computed, the next one is fetched in memory order (whole rows of the
+    // column range, which the hardware handles far better than the panel order of the computation), spread
+    // evenly over the block's register-block calls.
+    Fetch next;
+    int64_t next_lines = 0;
+    if (park) {
+      next.base = reinterpret_cast<const char*>(B + (p0 + pn) * ldb);
+      next.ld = ldb * int64_t(sizeof(T));
+      next.row_lines = (Nw * int64_t(sizeof(T)) + 63) / 64;
+      next_lines = std::min(step_p, P - p0 - pn) * next.row_lines;
+    }
+    const int64_t per_call = calls > 0 ? (next_lines + calls - 1) / calls : 0;
+    for (int64_t n = 0; n < Nw; n += wide) {
+      row_blocks(M, [&](auto rows, int64_t m) {
+        constexpr int MR = decltype(rows)::value;
+        const Partial<Ac> part{sums ? sums + m * Nw + n : nullptr, Nw, resume, park};
+        const T* a = A + m * a_m + p0 * a_p;
+        const T* b = B + p0 * ldb + n;
+        T* c = C + m * ldc + n;
+        // Only the first row block over a panel fetches it near, and only when nothing fetched it before.
+        const bool near = m == 0 && p0 == 0;
+        Fetch fetch;
+        if (per_call > 0) {
+          const int64_t start = (n / wide * row_blocks_n + m / kBcastRows) * per_call;
+          fetch = next;
+          fetch.row = start / next.row_lines;
+          fetch.col = start % next.row_lines;
+          fetch.lines = std::max<int64_t>(0, std::min(per_call, next_lines - start));
+          fetch.per_step = (per_call + pn - 1) / pn;
+        }
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64) {
+          if (a_p == 1)
+            bcast_block_dp<MR, Stream, true>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near, fetch);
+          else
+            bcast_block_dp<MR, Stream, false>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near, fetch);
+          return;
+        }
+#endif
+        bcast_block<T, MR, kBcastVecs, Stream>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near, fetch);
+      });
+    }
+  }
+  // Leftover vectors and columns: one pass over the whole reduction, plain stores.
+  const Partial<Ac> whole{nullptr, 0, false, false};
   for (int64_t n = Nw; n < Nv; n += kBlock)
-    for (int64_t m = 0; m < M; ++m) bcast_block<T, 1, 1>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P);
+    row_blocks(M, [&](auto rows, int64_t m) {
+      bcast_block<T, decltype(rows)::value, 1, false>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P,
+                                                      whole);
+    });
   if (Nv < N) bcast_tail(A, a_m, a_p, B, ldb, C, ldc, M, Nv, N, P);
 }
 
 }  // namespace
 
 void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int64_t a_m, int64_t a_p,
-                const void* B, int64_t ldb, void* C, int64_t ldc) {
+                const void* B, int64_t ldb, void* C, int64_t ldc, bool stream) {
+  if (M <= 0 || N <= 0) return;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    gemm_outer<T>(static_cast<const T*>(A), a_m, a_p, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M, N,
-                  P);
+    const T* a = static_cast<const T*>(A);
+    const T* b = static_cast<const T*>(B);
+    T* c = static_cast<T*>(C);
+    if (stream && can_stream(c, ldc)) {
+      gemm_outer<T, true>(a, a_m, a_p, b, ldb, c, ldc, M, N, P);
+      stream_fence();
+    } else {
+      gemm_outer<T, false>(a, a_m, a_p, b, ldb, c, ldc, M, N, P);
+    }
   });
 }
 
