@@ -63,11 +63,12 @@ class GemmBcast : public ::testing::TestWithParam<std::tuple<Level, at::ScalarTy
 struct Case {
   int64_t M, N, P;
   bool a_transposed;  // A(m, p) at A[p * lda + m] (the weight gradients' x^T) instead of A[m * lda + p]
+  bool b_rows_4k = false;  // B's rows 4 KiB apart (the kernel copies such panels of short reductions)
 };
 
 std::string describe(const Case& c) {
   return "M=" + std::to_string(c.M) + " N=" + std::to_string(c.N) + " P=" + std::to_string(c.P) +
-         (c.a_transposed ? " A transposed" : "");
+         (c.a_transposed ? " A transposed" : "") + (c.b_rows_4k ? " B rows 4 KiB apart" : "");
 }
 
 // Runs gemm_bcast on padded (strided) operands; C is [M, ldc] filled with NaN beyond what the kernel must write.
@@ -80,7 +81,7 @@ struct Operands {
 Operands make_run(const Case& c, at::ScalarType dt, int64_t c_pad) {
   Operands r;
   r.lda = (c.a_transposed ? c.M : c.P) + 3;
-  r.ldb = c.N + 5;
+  r.ldb = c.b_rows_4k ? 4096 / c10::elementSize(dt) : c.N + 5;
   r.ldc = c.N + c_pad;
   const int64_t a_rows = c.a_transposed ? c.P : c.M;
   r.a_store = at::randn({std::max<int64_t>(a_rows, 1), r.lda}, at::kDouble).to(dt);
@@ -110,6 +111,8 @@ TEST_P(GemmBcast, MatchesFloat64OnEdgeSizesStridesAndBlockedReductions) {
   for (int64_t N : {1, 15, 16, 17, 63, 64, 65, 130, 200}) cases.push_back({17, N, 63, false});
   for (int64_t P : {0, 1, 2, 15, 16, 17, 63, 64, 200}) cases.push_back({5, 200, P, false});
   for (int64_t P : {0, 1, 2, 15, 16, 17, 63, 64, 200}) cases.push_back({17, 130, P, true});
+  for (int64_t M : {31, 32, 33, 63}) cases.push_back({M, 130, 17, true, true});
+  cases.push_back({40, 200, 64, false, true});
   cases.push_back({6, 2048, 301, false});
   cases.push_back({9, 130, 777, false});
   cases.push_back({9, 130, 777, true});
@@ -133,7 +136,8 @@ TEST_P(GemmBcast, MatchesFloat64OnEdgeSizesStridesAndBlockedReductions) {
 }
 
 TEST_P(GemmBcast, ResultDoesNotDependOnTheRowSplitOrStreaming) {
-  for (const Case& c : {Case{23, 200, 77, false}, Case{23, 2048, 150, true}, Case{13, 130, 777, false}}) {
+  for (const Case& c : {Case{23, 200, 77, false}, Case{23, 2048, 150, true}, Case{13, 130, 777, false},
+                        Case{41, 130, 16, true, true}}) {
     if (dtype() == at::kDouble && c.P > 300) continue;
     SCOPED_TRACE(describe(c));
     // ldc a multiple of 64 elements, so rows can be streamed at every level that streams.
