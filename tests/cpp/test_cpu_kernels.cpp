@@ -12,6 +12,8 @@
 
 #include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "ops/checks.h"
+#include "tests/cpp/level_fixture.h"
 
 namespace {
 
@@ -47,17 +49,7 @@ Tol tol(at::ScalarType t) {
 // Poisons freshly allocated memory so a kernel that skips an element cannot pass by luck.
 void poison_allocator() { at::empty({1 << 20}).fill_(std::numeric_limits<float>::quiet_NaN()); }
 
-class CpuKernels : public ::testing::TestWithParam<std::tuple<Level, at::ScalarType>> {
- protected:
-  void SetUp() override {
-    previous_ = kernmap::cpu::active_level();
-    kernmap::cpu::set_level(std::get<0>(GetParam()));
-    at::manual_seed(0);
-  }
-  void TearDown() override { kernmap::cpu::set_level(previous_); }
-  at::ScalarType dtype() const { return std::get<1>(GetParam()); }
-  Level previous_{};
-};
+class CpuKernels : public kernmap::testing::LevelDtypeTest {};
 
 // Inputs of several layouts holding the same values: contiguous 2-D, 3-D, a column slice of a wider tensor,
 // and a transposed copy viewed back.
@@ -116,25 +108,12 @@ TEST_P(CpuKernels, SiluAndMulForwardBackwardMatchesReference) {
   }
 }
 
-kernmap::cpu::DType kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return kernmap::cpu::DType::kFloat32;
-    case at::kBFloat16:
-      return kernmap::cpu::DType::kBFloat16;
-    case at::kHalf:
-      return kernmap::cpu::DType::kFloat16;
-    default:
-      return kernmap::cpu::DType::kFloat64;
-  }
-}
-
 // Streaming stores (asked for by the ops when outputs exceed the last-level cache) write the same bits as
 // normal stores: on aligned rows (where they are taken), on rows a stride away that breaks the alignment, on
 // a misaligned start and on widths with scalar tails (where the kernels fall back to normal stores).
 TEST_P(CpuKernels, StreamingStoresWriteTheSameBits) {
   const auto& k = kernmap::cpu::kernel_table();
-  const auto dt = kernel_dtype(dtype());
+  const auto dt = kernmap::ops::cpu_dtype(dtype());
   const at::ScalarType acc = dtype() == at::kDouble ? at::kDouble : at::kFloat;
   for (int64_t n : {64, 80, 37}) {
     for (int64_t offset : {0, 1}) {

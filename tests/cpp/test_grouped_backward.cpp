@@ -15,23 +15,12 @@
 
 #include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "ops/checks.h"
+#include "tests/cpp/level_fixture.h"
 
 namespace {
 
 using kernmap::cpu::Level;
-
-kernmap::cpu::DType cpu_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return kernmap::cpu::DType::kFloat32;
-    case at::kBFloat16:
-      return kernmap::cpu::DType::kBFloat16;
-    case at::kHalf:
-      return kernmap::cpu::DType::kFloat16;
-    default:
-      return kernmap::cpu::DType::kFloat64;
-  }
-}
 
 // Unit roundoff of the output type (one rounding of an fp32 sum) and of the fp32 accumulation.
 double out_roundoff(at::ScalarType t) {
@@ -48,17 +37,7 @@ double out_roundoff(at::ScalarType t) {
 }
 double acc_roundoff(at::ScalarType t) { return t == at::kDouble ? std::ldexp(1.0, -53) : std::ldexp(1.0, -24); }
 
-class GemmBcast : public ::testing::TestWithParam<std::tuple<Level, at::ScalarType>> {
- protected:
-  void SetUp() override {
-    previous_ = kernmap::cpu::active_level();
-    kernmap::cpu::set_level(std::get<0>(GetParam()));
-    at::manual_seed(0);
-  }
-  void TearDown() override { kernmap::cpu::set_level(previous_); }
-  at::ScalarType dtype() const { return std::get<1>(GetParam()); }
-  Level previous_{};
-};
+class GemmBcast : public kernmap::testing::LevelDtypeTest {};
 
 struct Case {
   int64_t M, N, P;
@@ -97,7 +76,7 @@ void call(const Case& c, Operands& r, at::ScalarType dt, int64_t m0, int64_t m1,
   const int64_t es = r.a_store.element_size();
   const char* a = static_cast<const char*>(r.a_store.const_data_ptr());
   const int64_t a_m = c.a_transposed ? 1 : r.lda, a_p = c.a_transposed ? r.lda : 1;
-  kernmap::cpu::kernel_table().gemm_bcast(cpu_dtype(dt), m1 - m0, c.N, c.P, a + m0 * a_m * es, a_m, a_p,
+  kernmap::cpu::kernel_table().gemm_bcast(kernmap::ops::cpu_dtype(dt), m1 - m0, c.N, c.P, a + m0 * a_m * es, a_m, a_p,
                                           r.b_store.const_data_ptr(), r.ldb,
                                           static_cast<char*>(r.c_store.data_ptr()) + m0 * r.ldc * es, r.ldc, stream);
 }

@@ -123,6 +123,19 @@ def make_experts(cls, config_cls, E, H, I, dtype):
     return module.to(dtype)
 
 
+def at_thread_counts(fn, counts=(1, 2, 2)):
+    """fn() run at each intra-op thread count in turn (the setting restored after)."""
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in counts:
+            torch.set_num_threads(threads)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(before)
+
+
 def routing(T, E, k, seed=0, skew=None):
     g = torch.Generator().manual_seed(seed)
     if skew is not None:
@@ -230,14 +243,7 @@ def test_experts_deterministic_across_runs_and_threads(dtype):
     ids, weights = routing(T, E, k)
     weights = weights.to(dtype)
     gu, dn = torch.randn(E, 2 * I, H).to(dtype), torch.randn(E, H, I).to(dtype)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for threads in (1, 2, 2):
-            torch.set_num_threads(threads)
-            results.append(grads_of(ops.experts, [hidden, ids, weights, gu, dn]))
-    finally:
-        torch.set_num_threads(before)
+    results = at_thread_counts(lambda: grads_of(ops.experts, [hidden, ids, weights, gu, dn]))
     (y0, g0) = results[0]
     for y, g in results[1:]:
         assert torch.equal(y, y0)
@@ -301,14 +307,7 @@ def test_grouped_mm_backward_bit_identical_across_threads(dtype, counts):
     a = torch.randn(T, K).to(dtype)
     b = torch.randn(len(counts), N, K).to(dtype).transpose(1, 2)
     grad = torch.randn(T, N).to(dtype)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for threads in (1, 2, 2):
-            torch.set_num_threads(threads)
-            results.append(torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs))
-    finally:
-        torch.set_num_threads(before)
+    results = at_thread_counts(lambda: torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs))
     for ga, gb in results[1:]:
         assert torch.equal(ga, results[0][0])
         assert torch.equal(gb, results[0][1])
