@@ -131,6 +131,37 @@ TEST_P(GemmBcast, ResultDoesNotDependOnTheRowSplitOrStreaming) {
   }
 }
 
+// bf16 short reductions read by 8 or more row blocks (the weight gradients of small groups) go through a panel
+// interleaved once instead of unpacked in each row block: the same products in the same order, so every row
+// matches a call over 4 rows (one row block, which unpacks) bit for bit, and float64 within the bound. Reduction
+// lengths around the pairs and up to the one-pass limit (256 steps at 128 columns) and past it (blocked).
+TEST_P(GemmBcast, ShortReductionsOfManyRowBlocksMatchSmallCallsBitForBit) {
+  for (int64_t M : {29, 32, 35, 64})
+    for (int64_t P : {1, 2, 3, 16, 17, 64, 255, 256, 257})
+      for (int64_t N : {64, 131}) {
+        if (dtype() == at::kDouble && P > 64) continue;
+        for (bool transposed : {false, true}) {
+          const Case c{M, N, P, transposed, /*b_rows_4k=*/M == 32};
+          SCOPED_TRACE(describe(c));
+          Operands whole = make_run(c, dtype(), 3);
+          call(c, whole, dtype(), 0, c.M, /*stream=*/false);
+          Operands small = whole;
+          small.c_store = at::full_like(whole.c_store, std::numeric_limits<double>::quiet_NaN());
+          for (int64_t m = 0; m < c.M; m += 4) call(c, small, dtype(), m, std::min(m + 4, c.M), /*stream=*/false);
+          EXPECT_TRUE(at::equal(whole.c_store.slice(1, 0, c.N), small.c_store.slice(1, 0, c.N)));
+          EXPECT_TRUE(whole.c_store.slice(1, c.N).isnan().all().item<bool>());
+          const at::Tensor A = whole.A.to(at::kDouble), B = whole.B.to(at::kDouble);
+          const at::Tensor want = at::mm(A, B), scale = at::mm(A.abs(), B.abs());
+          // Plus half the least fp16 subnormal: single products of two normal samples land there (P = 1).
+          const double subnormal = dtype() == at::kHalf ? std::ldexp(1.0, -25) : 0.0;
+          const at::Tensor bound =
+              want.abs() * out_roundoff(dtype()) * 1.01 + scale * (c.P + 1) * acc_roundoff(dtype()) + subnormal;
+          const at::Tensor err = (whole.c_store.slice(1, 0, c.N).to(at::kDouble) - want).abs();
+          EXPECT_TRUE(err.le(bound).all().item<bool>()) << "max error " << err.max().item<double>();
+        }
+      }
+}
+
 std::vector<std::tuple<Level, at::ScalarType>> params() {
   std::vector<std::tuple<Level, at::ScalarType>> out;
   for (Level l : kernmap::cpu::supported_levels())
