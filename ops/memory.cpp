@@ -75,16 +75,16 @@ class LargeBlockCache final : public c10::Allocator {
 
   int64_t release() {
     std::vector<Block*> out;
+    size_t released = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& [bytes, blocks] : free_)
-        for (Block* b : blocks) out.push_back(b);
+      for (auto& [bytes, blocks] : free_) out.insert(out.end(), blocks.begin(), blocks.end());
       free_.clear();
-      const size_t released = cached_;
+      released = cached_;
       cached_ = 0;
-      for (Block* b : out) unmap(b);
-      return static_cast<int64_t>(released);
     }
+    for (Block* b : out) unmap(b);
+    return static_cast<int64_t>(released);
   }
 
   static LargeBlockCache& get() {
@@ -155,9 +155,7 @@ int64_t release_op() { return kernmap::release_cached_memory(); }
 
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
   LargeBlockCache& cache = LargeBlockCache::get();
-  int64_t numel = 1;
-  for (int64_t s : sizes) numel *= s;
-  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
   if (!options.device().is_cpu() || bytes < kMinBytes || !cache.enabled() || options.has_memory_format() ||
       options.pinned_memory())
     return at::empty(sizes, options);
