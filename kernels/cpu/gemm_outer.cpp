@@ -2,6 +2,7 @@
 // a vector of B's row), blocked along the reduction so B streams through the cache once per call while the
 // partial sums wait in an fp32 scratch block. Compiled once per instruction-set level.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -27,6 +28,9 @@ constexpr int64_t kBlockBytes = 256 * 1024;
 // rows a group: weight gradients gate_up 92 -> 85 ms, down 39.5 -> 38 ms; interleaving the long reductions of
 // grad @ W (4 row blocks a panel) made them slower (gate_up 112 -> 119 ms, down 56 -> 59 ms), they unpack.
 constexpr int64_t kInterleaveRowBlocks = 8;
+
+// bf16 (dot-product instruction) with A's pairs in its rows and more reduction steps than this: outer_panels.
+constexpr int64_t kPanelMinSteps = 64;
 
 // The partial sums of one register block between reduction blocks: fp32 (fp64 for fp64) rows of ld elements.
 template <class Ac>
@@ -212,6 +216,180 @@ void bcast_block_dp(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16*
       store_out<Stream>(C + i * ldc + 32 * c + 16, (VF)_mm512_permutex2var_ps(lo, hi_idx, hi));
     }
 }
+
+
+// ---- bf16, A's pairs in its rows, long reductions (grad @ W) ---------------------------------------------
+// Column tiles of 32: for each block of the reduction, the tile's panel (the block's rows of B, 64 bytes
+// each) is interleaved once into a contiguous level-1 buffer (two vectors a paired step), then every row block
+// of up to 12 rows (24 accumulators) reads it there: one broadcast and two dot products per row and paired
+// step, no unpacks in the inner loop, B read from memory once per call. The products and their order are those
+// of bcast_block_dp (each element adds its pairs in order of p), so results match it bit for bit.
+constexpr int kPanelCols = 32;
+constexpr int kPanelRows = 12;
+
+// Rows [0, P) of B's N columns in tiles of 32 (the last one's columns past N zero), each tile `tstride`
+// elements after the previous: per paired step two vectors, unpacklo / unpackhi of rows p and p+1 (an odd
+// last row paired with zeros). B is read in memory order, two rows at a time.
+inline void interleave_block(const BFloat16* B, int64_t ldb, int64_t P, int64_t N, uint16_t* out, int64_t tstride) {
+  const int64_t full = N / kPanelCols, rest = N % kPanelCols;
+  const __mmask32 mask = (__mmask32(1) << rest) - 1;
+  for (int64_t p = 0; p < P; p += 2, out += 64) {
+    const BFloat16* r0 = B + p * ldb;
+    const BFloat16* r1 = r0 + ldb;
+    const bool two = p + 1 < P;
+    uint16_t* o = out;
+    for (int64_t t = 0; t < full; ++t, o += tstride) {
+      const __m512i a = _mm512_loadu_si512(r0 + t * kPanelCols);
+      const __m512i b = two ? _mm512_loadu_si512(r1 + t * kPanelCols) : _mm512_setzero_si512();
+      _mm512_store_si512(o, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(o + 32, _mm512_unpackhi_epi16(a, b));
+    }
+    if (rest) {
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, r0 + full * kPanelCols);
+      const __m512i b = two ? _mm512_maskz_loadu_epi16(mask, r1 + full * kPanelCols) : _mm512_setzero_si512();
+      _mm512_store_si512(o, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(o + 32, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+// MR rows of A (pairs contiguous: a_p == 1) times one interleaved panel of P steps; partial sums parked in
+// the permuted column order, results stored in natural order (cols < 32: masked).
+template <int MR, bool Stream>
+void panel_rows(const uint32_t* A, const uint16_t* panel, int64_t P, const Partial<float>& part, BFloat16* C,
+                int64_t ldc, int64_t cols, Fetch fetch) {
+  __m512 lo[MR], hi[MR];
+  for (int i = 0; i < MR; ++i) {
+    lo[i] = part.resume ? _mm512_loadu_ps(part.sums + i * part.ld) : _mm512_setzero_ps();
+    hi[i] = part.resume ? _mm512_loadu_ps(part.sums + i * part.ld + 16) : _mm512_setzero_ps();
+  }
+  const int64_t steps = (P + 1) / 2;
+  for (int64_t q = 0; q < steps; ++q, panel += 64, A += MR) {
+    fetch.step();
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(panel);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(panel + 32);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(A[i]));
+      lo[i] = _mm512_dpbf16_ps(lo[i], av, b0);
+      hi[i] = _mm512_dpbf16_ps(hi[i], av, b1);
+    }
+  }
+  if (part.park) {
+    for (int i = 0; i < MR; ++i) {
+      _mm512_storeu_ps(part.sums + i * part.ld, lo[i]);
+      _mm512_storeu_ps(part.sums + i * part.ld + 16, hi[i]);
+    }
+    return;
+  }
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < MR; ++i) {
+    const VF v0 = (VF)_mm512_permutex2var_ps(lo[i], lo_idx, hi[i]);
+    const VF v1 = (VF)_mm512_permutex2var_ps(lo[i], hi_idx, hi[i]);
+    BFloat16* c = C + i * ldc;
+    if (cols == kPanelCols) {
+      store_out<Stream>(c, v0);
+      store_out<Stream>(c + 16, v1);
+    } else {
+      const int64_t c0 = std::min<int64_t>(cols, 16), c1 = cols - c0;
+      _mm256_mask_storeu_epi16(c, static_cast<__mmask16>((1u << c0) - 1), pack16(v0, BFloat16{}));
+      if (c1 > 0) _mm256_mask_storeu_epi16(c + 16, static_cast<__mmask16>((1u << c1) - 1), pack16(v1, BFloat16{}));
+    }
+  }
+}
+
+template <bool Stream>
+void panel_rows_any(int mr, const uint32_t* A, const uint16_t* panel, int64_t P, const Partial<float>& part,
+                    BFloat16* C, int64_t ldc, int64_t cols, Fetch fetch) {
+  switch (mr) {
+#define KERNMAP_PANEL_ROWS(R) \
+  case R:                     \
+    return panel_rows<R, Stream>(A, panel, P, part, C, ldc, cols, fetch);
+    KERNMAP_PANEL_ROWS(1)
+    KERNMAP_PANEL_ROWS(2)
+    KERNMAP_PANEL_ROWS(3)
+    KERNMAP_PANEL_ROWS(4)
+    KERNMAP_PANEL_ROWS(5)
+    KERNMAP_PANEL_ROWS(6)
+    KERNMAP_PANEL_ROWS(7)
+    KERNMAP_PANEL_ROWS(8)
+    KERNMAP_PANEL_ROWS(9)
+    KERNMAP_PANEL_ROWS(10)
+    KERNMAP_PANEL_ROWS(11)
+    KERNMAP_PANEL_ROWS(12)
+#undef KERNMAP_PANEL_ROWS
+    default:
+      std::abort();
+  }
+}
+
+// C[M, N] = A[M, P] B[P, N], A's rows contiguous. The reduction goes in blocks of ~kBlockBytes of B (whole
+// rows of the N columns) while the next block is fetched in memory order; rows in as few blocks of up to
+// kPanelRows as cover M, as even as possible.
+template <bool Stream>
+void outer_panels(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
+                  int64_t M, int64_t N, int64_t P) {
+  const int64_t tiles = (N + kPanelCols - 1) / kPanelCols, Np = tiles * kPanelCols;
+  const int64_t block_p = std::clamp<int64_t>(kBlockBytes / (N * 2) / 8 * 8, 16, 256);
+  const int64_t step_p = P <= block_p ? std::max<int64_t>(P, 1) : block_p;
+  float* sums = step_p < P ? scratch<float>(M * Np) : nullptr;
+  // The interleaved block: tiles one line more than their size apart (not all in the same cache sets).
+  const int64_t tstride = (step_p + 1) / 2 * 64 + 32;
+  uint16_t* panels = scratch<uint16_t, 3>(tiles * tstride + 32);
+  panels = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(panels) + 63) / 64 * 64);
+  const int64_t nblocks = (M + kPanelRows - 1) / kPanelRows;
+  auto row_block = [&](int64_t blk) { return static_cast<int>(M / nblocks + (blk < M % nblocks ? 1 : 0)); };
+  uint32_t* apack = scratch<uint32_t, 4>(M * ((step_p + 1) / 2));
+  const uint16_t* a16 = reinterpret_cast<const uint16_t*>(A);
+  const int64_t row_lines = (N * 2 + 63) / 64;
+  for (int64_t p0 = 0; p0 < std::max<int64_t>(P, 1); p0 += step_p) {
+    const int64_t pn = std::min(step_p, P - p0);
+    const bool resume = p0 > 0, park = p0 + pn < P;
+    // The next reduction block, in memory order, spread over this block's paired steps.
+    Fetch next;
+    int64_t next_lines = 0;
+    if (park) {
+      next.base = reinterpret_cast<const char*>(B + (p0 + pn) * ldb);
+      next.ld = ldb * 2;
+      next.row_lines = row_lines;
+      next_lines = std::min(step_p, P - p0 - pn) * row_lines;
+    }
+    const int64_t calls = tiles * nblocks, per_call = (next_lines + calls - 1) / calls;
+    // A's pairs of this block, per row block in step-major order: [step][row] (an odd last step's second
+    // element zero, not read from A).
+    const int64_t steps = (pn + 1) / 2;
+    for (int64_t blk = 0, m = 0; blk < nblocks; m += row_block(blk), ++blk) {
+      const int64_t mr = row_block(blk);
+      uint32_t* dst = apack + m * steps;
+      for (int64_t i = 0; i < mr; ++i) {
+        const uint16_t* a = a16 + (m + i) * lda + p0;
+        for (int64_t q = 0; q < pn / 2; ++q) dst[q * mr + i] = uint32_t(a[2 * q]) | uint32_t(a[2 * q + 1]) << 16;
+        if (pn % 2) dst[(steps - 1) * mr + i] = a[pn - 1];
+      }
+    }
+    interleave_block(B + p0 * ldb, ldb, pn, N, panels, tstride);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t n = t * kPanelCols, cols = std::min<int64_t>(kPanelCols, N - n);
+      const uint16_t* panel = panels + t * tstride;
+      int64_t m = 0;
+      for (int64_t blk = 0; blk < nblocks; ++blk) {
+        const int mr = row_block(blk);
+        Fetch fetch;
+        if (per_call > 0) {
+          const int64_t start = (t * nblocks + blk) * per_call;
+          fetch = next;
+          fetch.row = start / row_lines;
+          fetch.col = start % row_lines;
+          fetch.lines = std::max<int64_t>(0, std::min(per_call, next_lines - start));
+          fetch.per_step = (per_call + std::max<int64_t>(1, pn / 2) - 1) / std::max<int64_t>(1, pn / 2);
+        }
+        const Partial<float> part{sums ? sums + m * Np + n : nullptr, Np, resume, park};
+        panel_rows_any<Stream>(mr, apack + m * steps, panel, pn, part, C + m * ldc + n, ldc, cols, fetch);
+        m += mr;
+      }
+    }
+  }
+}
 #endif
 
 // Columns beyond the last full vector: scalar.
@@ -248,6 +426,11 @@ void row_blocks(int64_t M, Block&& block) {
 template <class T, bool Stream>
 void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
                 int64_t N, int64_t P) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (a_p == 1 && P > kPanelMinSteps) return outer_panels<Stream>(A, a_m, B, ldb, C, ldc, M, N, P);
+  }
+#endif
   using Ac = Acc<T>;
   const int64_t wide = kBcastVecs * kBlock;
   const int64_t Nw = N - N % wide, Nv = N - N % kBlock;

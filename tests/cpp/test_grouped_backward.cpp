@@ -92,6 +92,12 @@ TEST_P(GemmBcast, MatchesFloat64OnEdgeSizesStridesAndBlockedReductions) {
   for (int64_t P : {0, 1, 2, 15, 16, 17, 63, 64, 200}) cases.push_back({17, 130, P, true});
   for (int64_t M : {31, 32, 33, 63}) cases.push_back({M, 130, 17, true, true});
   cases.push_back({40, 200, 64, false, true});
+  // bf16 long reductions (more than 64 steps, A's pairs in its rows): interleaved 32-column panels and row
+  // blocks of up to 12 rows; rows around the blocks, columns around the 32-column tile, an odd step alone at
+  // the end of a reduction split into blocks of 256 steps (257) or not split (65).
+  for (int64_t M : {1, 11, 12, 13, 24, 25, 37})
+    for (int64_t N : {1, 17, 32, 33, 130})
+      for (int64_t P : {65, 257}) cases.push_back({M, N, P, false});
   cases.push_back({6, 2048, 301, false});
   cases.push_back({9, 130, 777, false});
   cases.push_back({9, 130, 777, true});
