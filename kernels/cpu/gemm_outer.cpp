@@ -139,9 +139,21 @@ __attribute__((always_inline)) inline void dp_step(__m512 (&acc)[MR][4], __m512i
                           a_m, a_p, pair);
 }
 
+// Word indices pairing two 32-element rows r0, r1 column by column in natural order: (r0[c], r1[c]) for
+// c = 0..15 (pair_lo) and 16..31 (pair_hi), for vpermt2w.
+inline __m512i pair_lo() {
+  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+                          35, 3, 34, 2, 33, 1, 32, 0);
+}
+inline __m512i pair_hi() {
+  return _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21,
+                          52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+}
+
 // The interleaved form of a panel of B (P rows x 64 columns, rows ldb apart), written once for all the row
-// blocks that read it: per paired step, the four vectors dp_step would unpack (an odd last row paired with
-// zeros), 128 elements a step. `near`: rows are fetched a few steps ahead.
+// blocks that read it: per paired step, four vectors of 16 column pairs in natural column order (an odd last
+// row paired with zeros), 128 elements a step, so the row blocks store their sums without permuting them back.
+// `near`: rows are fetched a few steps ahead.
 inline void interleave_panel(const BFloat16* B, int64_t ldb, int64_t P, bool near, uint16_t* out) {
   for (int64_t p = 0; p < P; p += 2, out += 128) {
     if (near)
@@ -153,10 +165,10 @@ inline void interleave_panel(const BFloat16* B, int64_t ldb, int64_t P, bool nea
     const __m512i r0a = _mm512_loadu_si512(b), r0b = _mm512_loadu_si512(b + 32);
     const __m512i r1a = p + 1 < P ? _mm512_loadu_si512(b + ldb) : _mm512_setzero_si512();
     const __m512i r1b = p + 1 < P ? _mm512_loadu_si512(b + ldb + 32) : _mm512_setzero_si512();
-    _mm512_storeu_si512(out, _mm512_unpacklo_epi16(r0a, r1a));
-    _mm512_storeu_si512(out + 32, _mm512_unpackhi_epi16(r0a, r1a));
-    _mm512_storeu_si512(out + 64, _mm512_unpacklo_epi16(r0b, r1b));
-    _mm512_storeu_si512(out + 96, _mm512_unpackhi_epi16(r0b, r1b));
+    _mm512_storeu_si512(out, _mm512_permutex2var_epi16(r0a, pair_lo(), r1a));
+    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(r0a, pair_hi(), r1a));
+    _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi16(r0b, pair_lo(), r1b));
+    _mm512_storeu_si512(out + 96, _mm512_permutex2var_epi16(r0b, pair_hi(), r1b));
   }
 }
 
@@ -205,6 +217,19 @@ void bcast_block_dp(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16*
   if (part.park) {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < 2 * kChunks; ++j) _mm512_storeu_ps(part.sums + i * part.ld + 16 * j, acc[i][j]);
+    return;
+  }
+  if constexpr (Inter) {
+    // Natural order: 32 columns rounded in one conversion, one 64-byte store.
+    for (int i = 0; i < MR; ++i)
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(acc[i][2 * c + 1], acc[i][2 * c]);
+        BFloat16* dst = C + i * ldc + 32 * c;
+        if (Stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
+        else
+          _mm512_storeu_si512(dst, v);
+      }
     return;
   }
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
