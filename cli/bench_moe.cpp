@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "cli/bench.h"
+#include "include/kernmap/memory.h"
 #include "include/kernmap/ops.h"
 
 namespace kernmap::cli {
@@ -32,9 +33,13 @@ at::Tensor offsets_of(const at::Tensor& ids, int64_t E) {
   return at::bincount(ids.reshape(-1), {}, E).cumsum(0).to(at::kInt);
 }
 
-// The layer's weights at a trained model's scale, so activations stay O(1).
+// The layer's weights at a trained model's scale, so activations stay O(1). Expert weights (3-D) are set up as
+// kernelize sets up those of the experts layers it maps: on 2 MiB pages (kernmap/memory.h). Every
+// implementation of a case reads the same tensors.
 at::Tensor weights(std::vector<int64_t> shape, int64_t fan_in, at::ScalarType dt) {
-  return (at::randn(shape) * (1.0 / std::sqrt(double(fan_in)))).to(dt);
+  at::Tensor w = (at::randn(shape) * (1.0 / std::sqrt(double(fan_in)))).to(dt);
+  if (w.dim() == 3) (void)advise_huge_pages(w);
+  return w;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "include/kernmap/layers.h"
+#include "include/kernmap/memory.h"
 
 namespace kernmap {
 namespace {
@@ -177,6 +178,10 @@ void Experts::bind_op(const std::string& kernel_name) {
   op_ = std::make_unique<Op>(
       Op{typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
           kernel_name, layer_name())});
+  // A mapped kernel streams the expert weights once per pass: 2 MiB pages spare it a TLB miss every few rows
+  // (a no-op below 16 MiB, off with KERNMAP_HUGE_PAGES=0; see kernmap/memory.h).
+  if (kernel_name.rfind("reference/", 0) != 0)
+    for (const Tensor& w : {gate_up_proj_, down_proj_}) (void)advise_huge_pages(w);
 }
 
 Tensor Experts::forward(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights) {

@@ -25,6 +25,8 @@ TORCH_LIBRARY(kernmap, m) {
   // The cache of large CPU buffers (ops/memory.h): bytes held, and release (returns the bytes released).
   m.def("cached_memory_bytes() -> int");
   m.def("release_cached_memory() -> int");
+  // Backs a large CPU tensor's memory with 2 MiB pages (expert weights; ops/memory.h): whether it did.
+  m.def("advise_huge_pages(Tensor t) -> bool");
   // Reference kernels: the transformers eager math composed of ATen ops (any device, autograd through ATen).
   m.def("reference_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("reference_silu(Tensor x) -> Tensor");

@@ -8,6 +8,7 @@
 #include <c10/core/Allocator.h>
 #include <torch/library.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -150,6 +151,11 @@ class LargeBlockCache final : public c10::Allocator {
 
 int64_t cached_bytes_op() { return kernmap::cached_memory_bytes(); }
 int64_t release_op() { return kernmap::release_cached_memory(); }
+bool advise_op(const at::Tensor& t) { return kernmap::advise_huge_pages(t); }
+
+#if !defined(MADV_COLLAPSE)
+#define MADV_COLLAPSE 25  // Linux 6.1; older kernels answer EINVAL
+#endif
 
 }  // namespace
 
@@ -163,12 +169,40 @@ at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) 
                                    c10::typeMetaToScalarType(options.dtype()), std::nullopt);
 }
 
+bool advise_huge_pages(const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_cpu() || !t.has_storage() || env_is_zero("KERNMAP_HUGE_PAGES")) return false;
+  const c10::Storage& st = t.storage();
+  const auto* base = static_cast<const char*>(st.data());
+  if (base == nullptr || st.nbytes() < kMinBytes) return false;
+  // Whole 2 MiB pages inside the storage only: the memory around it may belong to other allocations.
+  const auto start = (reinterpret_cast<uintptr_t>(base) + kAlign - 1) & ~(uintptr_t(kAlign) - 1);
+  const auto end = (reinterpret_cast<uintptr_t>(base) + st.nbytes()) & ~(uintptr_t(kAlign) - 1);
+  if (end <= start) return false;
+  void* p = reinterpret_cast<void*>(start);
+  const size_t n = end - start;
+#if defined(MADV_HUGEPAGE)
+  // Pages faulted here later (after a fork's copy-on-write, say) are huge too; then the existing ones are
+  // collapsed now, synchronously (the contents are copied, not changed). Either may be refused (no THP, an
+  // older kernel, memory too fragmented, a file mapping): the tensor keeps its pages, nothing else happens.
+  (void)madvise(p, n, MADV_HUGEPAGE);
+  // EAGAIN is transient (a huge page not available this moment); the pages collapsed so far stay collapsed.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    if (madvise(p, n, MADV_COLLAPSE) == 0) return true;
+    if (errno != EAGAIN) return false;
+  }
+  return false;
+#else
+  return false;
+#endif
+}
+
 int64_t cached_large_bytes() { return LargeBlockCache::get().cached(); }
 int64_t release_large_cache() { return LargeBlockCache::get().release(); }
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("cached_memory_bytes", &cached_bytes_op);
   m.impl("release_cached_memory", &release_op);
+  m.impl("advise_huge_pages", &advise_op);
 }
 
 }  // namespace kernmap::ops
@@ -176,4 +210,5 @@ TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
 namespace kernmap {
 int64_t cached_memory_bytes() { return ops::cached_large_bytes(); }
 int64_t release_cached_memory() { return ops::release_large_cache(); }
+bool advise_huge_pages(const at::Tensor& t) { return ops::advise_huge_pages(t); }
 }  // namespace kernmap

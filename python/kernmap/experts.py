@@ -51,12 +51,25 @@ def unsupported_layout(module: nn.Module) -> str | None:
     return None
 
 
+def advise_weights(module: nn.Module) -> None:
+    """Once per module: its CPU expert weights on 2 MiB pages (kernmap.advise_huge_pages; docs/ops.md#memory)."""
+    if module.__dict__.get("_kernmap_weights_advised"):
+        return
+    module._kernmap_weights_advised = True
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(module, name, None)
+        if isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
+            torch.ops.kernmap.advise_huge_pages(weight.detach())
+
+
 def bind(module: nn.Module, decision: _registry.Decision | None) -> None:
     """Binds the module's kernel (None: run the previous implementation) and remembers that implementation."""
     current = module.config._experts_implementation
     if current != IMPLEMENTATION:
         module._kernmap_previous_implementation = current
     module._kernmap_experts = None if decision is None else decision.callable()
+    if decision is not None:
+        advise_weights(module)
 
 
 def use_kernmap_implementation(model: nn.Module) -> None:
@@ -87,6 +100,8 @@ def _resolve_at_call(module: nn.Module, hidden_states: torch.Tensor) -> Callable
         else:
             d = _registry.resolve("Experts", key[1], mode, key[2])
             cache[key] = None if d.fallback else d.callable()
+            if cache[key] is not None:
+                advise_weights(module)
     return cache[key]
 
 

@@ -1,5 +1,7 @@
 """kernmap's cache of large CPU buffers (ops/memory.cpp): weight gradients of grouped products come from it,
-freed blocks are reused for the next equal-size allocation, release returns them, and the settings work."""
+freed blocks are reused for the next equal-size allocation, release returns them, and the settings work. And
+advise_huge_pages: large CPU tensors (expert weights) moved onto 2 MiB pages with their contents unchanged, what
+kernelize does for the experts it maps."""
 
 from __future__ import annotations
 
@@ -109,3 +111,72 @@ def test_bad_cache_setting_is_a_clear_error():
              _CHILD)
     assert r.returncode != 0
     assert "KERNMAP_LARGE_CACHE_MB must be a whole number of MiB, got 'lots'" in r.stderr
+
+
+def _huge_kib_at(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def _collapse_supported() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return False
+    except OSError:
+        return False
+    major, minor = (int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    return (major, minor) >= (6, 1)
+
+
+def test_advise_huge_pages_keeps_contents_and_backs_the_tensor_with_huge_pages():
+    torch.manual_seed(0)
+    t = torch.randn(24 * MiB // 4)  # 24 MiB: at least one whole 2 MiB page inside, wherever it starts
+    before = t.clone()
+    done = kernmap.advise_huge_pages(t) or kernmap.advise_huge_pages(t)  # twice is harmless
+    assert isinstance(done, bool)
+    assert torch.equal(t, before)
+    if not _collapse_supported():
+        pytest.skip("no transparent huge pages or MADV_COLLAPSE (Linux < 6.1) here")
+    assert done
+    assert _huge_kib_at(t.data_ptr() + 4 * MiB) >= 2048
+    t.mul_(2)  # an ordinary tensor afterwards
+    assert torch.equal(t, before * 2)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(1000),  # below 16 MiB: nothing to gain
+                                  lambda: torch.empty(8 * MiB, device="meta"),  # no memory
+                                  lambda: torch.randn(5 * MiB)[::1000]],  # a view: advises its storage
+                         ids=["small", "meta", "view_of_large"])
+def test_advise_huge_pages_only_acts_on_large_cpu_storage(make):
+    t = make()
+    before = t.clone()
+    done = kernmap.advise_huge_pages(t)
+    if t.device.type == "meta" or t.untyped_storage().nbytes() < 16 * MiB:
+        assert done is False
+    else:
+        assert torch.equal(t, before)
+
+
+def test_huge_pages_setting_turns_the_advice_off():
+    code = "import torch, kernmap; print(kernmap.advise_huge_pages(torch.randn(8 << 20)))"
+    r = _run({"KERNMAP_HUGE_PAGES": "0"}, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_kernelize_advises_the_weights_of_the_experts_it_maps():
+    from hf_models import make_model
+    model = make_model("qwen3_moe")
+    kernmap.kernelize(model, mode="training", device="cpu")
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert experts and all(m.__dict__.get("_kernmap_weights_advised") for m in experts)
