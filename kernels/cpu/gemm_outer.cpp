@@ -55,10 +55,14 @@ struct Fetch {
   const char* base = nullptr;
   int64_t ld = 0, row_lines = 1, row = 0, col = 0, lines = 0, per_step = 0;
   // Inlined into the register-block loops, which otherwise call it (twice a paired step) with nothing to do.
+  // Into the level-2 cache (prefetcht1): the block is read after all of this one, and filling level 1 with it
+  // evicted the panels and partial sums in use. Measured on one thread, E128 H2048 I768 T256, grad @ W gate_up
+  // and down_proj: fp32 184 -> 164 and 95 -> 80 ms, bf16 (outer_panels) 98 -> 95 and 44 -> 42 ms.
+  template <int Locality = 2>
   __attribute__((always_inline)) inline void step() {
     if (lines <= 0) return;
     for (int64_t i = 0; i < per_step && lines > 0; ++i, --lines) {
-      __builtin_prefetch(base + row * ld + col * 64);
+      __builtin_prefetch(base + row * ld + col * 64, 0, Locality);
       if (++col == row_lines) {
         col = 0;
         ++row;
