@@ -76,12 +76,21 @@ std::tuple<at::Tensor, at::Tensor> sort_by_expert(const at::Tensor& topk_ids, in
   return {order, offs};
 }
 
-// The inverse permutation: position of flat pair j in expert order.
+// The inverse permutation: position of flat pair j in expert order. order comes back from the caller in the
+// backward, so it is checked to be a permutation of [0, S) (the combine kernels index rows with it).
 at::Tensor inverse_permutation(const at::Tensor& order) {
-  at::Tensor pos = at::empty_like(order);
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous(),
+              "kernmap.experts: order must be a contiguous 1-D int64 tensor, got ", order.scalar_type(), " ",
+              order.sizes());
+  const int64_t S = order.numel();
+  at::Tensor pos = at::full_like(order, -1);
   const int64_t* o = order.const_data_ptr<int64_t>();
   int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t j = 0; j < order.numel(); ++j) p[o[j]] = j;
+  for (int64_t j = 0; j < S; ++j) {
+    TORCH_CHECK(o[j] >= 0 && o[j] < S && p[o[j]] < 0, "kernmap.experts: order must be a permutation of [0, ", S,
+                "), got ", o[j], " at position ", j);
+    p[o[j]] = j;
+  }
   return pos;
 }
 
@@ -175,6 +184,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs, const at::Tensor& h1,
     const at::Tensor& h2) {
   const int64_t T = hidden.size(0), k = topk_weights.size(1);
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == T && grad.size(1) == hidden.size(1),
+              "kernmap.experts: grad must have the shape of hidden ", hidden.sizes(), ", got ", grad.sizes());
+  TORCH_CHECK(h2.dim() == 2 && h2.size(0) == T * k && h2.size(1) == hidden.size(1) && order.numel() == T * k,
+              "kernmap.experts: h2 must be [T * k, H] = [", T * k, ", ", hidden.size(1), "] and order [", T * k,
+              "], got ", h2.sizes(), " and ", order.sizes());
+  const at::Tensor pos = inverse_permutation(order);  // checks order before the kernels read rows with it
   const at::Tensor token = order.div(k, "floor");
   const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
   // d(weighted row j) = grad_out[token of j] * w[j]; d topk_weights: <grad_out[t], h2 row>, in fp32 at least.
@@ -189,7 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   const at::Tensor d_a = grouped_mm_cpu(d_h1, gate_up, offs);            // [S, H]
   const at::Tensor a = gather_rows(hidden, token);
   const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1, a, offs);   // [E, 2I, H]
-  const at::Tensor d_hidden = combine(d_a, inverse_permutation(order), T, k, hidden.scalar_type());
+  const at::Tensor d_hidden = combine(d_a, pos, T, k, hidden.scalar_type());
   return {d_hidden, d_topk.view(topk_weights.sizes()), d_gate_up, d_down};
 }
 
