@@ -6,8 +6,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <type_traits>
 #include <vector>
 
 #include "include/kernmap/ops.h"
