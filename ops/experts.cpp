@@ -2,17 +2,14 @@
 // sort the (token, slot) pairs by expert (a stable counting sort: deterministic), gather, grouped gate_up
 // product, fused SiLU-and-mul, grouped down product, weighted combine in fp32. Forward, backward, Meta, autograd.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/Dispatch.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <type_traits>
 #include <vector>
 
 #include "include/kernmap/ops.h"
+#include "kernels/cpu/isa.h"
 #include "ops/checks.h"
 #include "ops/grouped_mm.h"
 #include "ops/memory.h"
@@ -77,12 +74,21 @@ std::tuple<at::Tensor, at::Tensor> sort_by_expert(const at::Tensor& topk_ids, in
   return {order, offs};
 }
 
-// The inverse permutation: position of flat pair j in expert order.
+// The inverse permutation: position of flat pair j in expert order. order comes back from the caller in the
+// backward, so it is checked to be a permutation of [0, S) (the combine kernels index rows with it).
 at::Tensor inverse_permutation(const at::Tensor& order) {
-  at::Tensor pos = at::empty_like(order);
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous(),
+              "kernmap.experts: order must be a contiguous 1-D int64 tensor, got ", order.scalar_type(), " ",
+              order.sizes());
+  const int64_t S = order.numel();
+  at::Tensor pos = at::full_like(order, -1);
   const int64_t* o = order.const_data_ptr<int64_t>();
   int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t j = 0; j < order.numel(); ++j) p[o[j]] = j;
+  for (int64_t j = 0; j < S; ++j) {
+    TORCH_CHECK(o[j] >= 0 && o[j] < S && p[o[j]] < 0, "kernmap.experts: order must be a permutation of [0, ", S,
+                "), got ", o[j], " at position ", j);
+    p[o[j]] = j;
+  }
   return pos;
 }
 
@@ -104,7 +110,7 @@ bool fusable(const at::Tensor& rows, const at::Tensor& weights) {
 // out[t] = sum over slots, in slot order, of rows[pos[t * k + slot]] * weights[pos[...]] (the product rounded to
 // the rows' dtype unless the weights' dtype is wider, as transformers' `rows * weights`; no weights: the rows),
 // accumulated in fp32 for reduced precision and rounded once to out_dtype: transformers' reshape + sum in one
-// pass, without gathered or widened copies; deterministic.
+// pass (the CPU kernel moe_combine), without gathered or widened copies; deterministic.
 at::Tensor combine(const at::Tensor& rows, const at::Tensor& pos, int64_t T, int64_t k, at::ScalarType out_dtype,
                    const at::Tensor& weights = {}) {
   const int64_t H = rows.size(1);
@@ -112,47 +118,28 @@ at::Tensor combine(const at::Tensor& rows, const at::Tensor& pos, int64_t T, int
     const at::Tensor weighted = rows * weights.unsqueeze(-1);
     return weighted.index_select(0, pos).view({T, k, H}).sum(1, false, acc_type(weighted.scalar_type())).to(out_dtype);
   }
-  const at::Tensor r = rows.contiguous();
+  const at::Tensor r = rows.contiguous(), p = pos.contiguous();
+  const at::ScalarType acc = acc_type(rows.scalar_type());
   const bool round_product = weights.defined() && at::promote_types(rows.scalar_type(), weights.scalar_type()) ==
                                                       rows.scalar_type();
-  const at::Tensor w = weights.defined() ? weights.to(acc_type(rows.scalar_type())).contiguous() : at::Tensor();
-  at::Tensor out = at::empty({T, H}, rows.options().dtype(out_dtype));
-  at::Tensor acc_out = out_dtype == acc_type(rows.scalar_type()) ? out : at::empty({T, H}, rows.options().dtype(acc_type(rows.scalar_type())));
-  const int64_t* p = pos.const_data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, r.scalar_type(), "kernmap_experts_combine", [&] {
-    using Acc = at::opmath_type<scalar_t>;
-    const scalar_t* src = r.const_data_ptr<scalar_t>();
-    const Acc* wp = w.defined() ? w.const_data_ptr<Acc>() : nullptr;
-    Acc* dst = acc_out.data_ptr<Acc>();
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        Acc* acc = dst + t * H;
-        std::fill(acc, acc + H, Acc(0));
-        for (int64_t slot = 0; slot < k; ++slot) {
-          const int64_t j = p[t * k + slot];
-          const scalar_t* row = src + j * H;
-          if (!wp) {
-            for (int64_t h = 0; h < H; ++h) acc[h] += static_cast<Acc>(row[h]);
-          } else if (round_product) {
-            const Acc wj = wp[j];
-            for (int64_t h = 0; h < H; ++h)
-              acc[h] += static_cast<Acc>(static_cast<scalar_t>(static_cast<Acc>(row[h]) * wj));
-          } else {
-            const Acc wj = wp[j];
-            for (int64_t h = 0; h < H; ++h) acc[h] += static_cast<Acc>(row[h]) * wj;
-          }
-        }
-      }
-    });
+  const at::Tensor w = weights.defined() ? weights.to(acc).contiguous() : at::Tensor();
+  // The kernel writes the rows' dtype or the accumulation type; any other out_dtype is one cast of the latter.
+  const at::ScalarType written = out_dtype == rows.scalar_type() ? out_dtype : acc;
+  at::Tensor out = at::empty({T, H}, rows.options().dtype(written));
+  const auto& kern = cpu::kernel_table();
+  const cpu::DType dt = cpu_dtype(r.scalar_type()), out_dt = cpu_dtype(written);
+  const int64_t* pp = p.const_data_ptr<int64_t>();
+  const void* wp = w.defined() ? w.const_data_ptr() : nullptr;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    kern.moe_combine(dt, out_dt, r.const_data_ptr(), pp, k, wp, round_product, out.data_ptr(), t0, t1, H);
   });
-  if (!acc_out.is_same(out)) out.copy_(acc_out);
-  return out;
+  return written == out_dtype ? out : out.to(out_dtype);
 }
 
 // The backward of the weighted combine, per row j of the expert order (token order[j] / k): the gradient of the
 // weighted row, d_h2[j] = round(grad[token] * w[j]), and of the weight, d_w[j] = <grad[token], h2[j]> summed in
-// fp32 in element order. One pass over grad's rows in place of a gathered copy, two widened copies, a product
-// and a sum.
+// fp32 (the CPU kernel moe_combine_bwd, in vector lanes: a fixed order). One pass over grad's rows in place of a
+// gathered copy, two widened copies, a product and a sum.
 std::tuple<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, const at::Tensor& h2, const at::Tensor& w,
                                                     const at::Tensor& order, int64_t k) {
   const int64_t S = h2.size(0), H = h2.size(1);
@@ -161,33 +148,16 @@ std::tuple<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, cons
     const at::ScalarType acc = acc_type(h2.scalar_type());
     return {(g * w.unsqueeze(-1)).to(h2.scalar_type()), (g.to(acc) * h2.to(acc)).sum(-1).to(w.scalar_type())};
   }
-  const at::Tensor g = grad.to(h2.scalar_type()).contiguous(), hc = h2.contiguous();
+  const at::Tensor g = grad.to(h2.scalar_type()).contiguous(), hc = h2.contiguous(), oc = order.contiguous();
   const at::Tensor wc = w.to(acc_type(h2.scalar_type())).contiguous();
   at::Tensor d_h2 = empty_large({S, H}, h2.options());
   at::Tensor d_w = at::empty({S}, wc.options());
-  const int64_t* ord = order.const_data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hc.scalar_type(), "kernmap_experts_combine_bwd", [&] {
-    using Acc = at::opmath_type<scalar_t>;
-    const scalar_t* gp = g.const_data_ptr<scalar_t>();
-    const scalar_t* hp = hc.const_data_ptr<scalar_t>();
-    const Acc* wp = wc.const_data_ptr<Acc>();
-    scalar_t* dp = d_h2.data_ptr<scalar_t>();
-    Acc* dwp = d_w.data_ptr<Acc>();
-    at::parallel_for(0, S, 16, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const scalar_t* row = gp + (ord[j] / k) * H;
-        const scalar_t* h2row = hp + j * H;
-        scalar_t* out = dp + j * H;
-        const Acc wj = wp[j];
-        Acc dot = 0;
-        for (int64_t h = 0; h < H; ++h) {
-          const Acc gv = static_cast<Acc>(row[h]);
-          out[h] = static_cast<scalar_t>(gv * wj);
-          dot += gv * static_cast<Acc>(h2row[h]);
-        }
-        dwp[j] = dot;
-      }
-    });
+  const auto& kern = cpu::kernel_table();
+  const cpu::DType dt = cpu_dtype(hc.scalar_type());
+  const int64_t* ord = oc.const_data_ptr<int64_t>();
+  at::parallel_for(0, S, 16, [&](int64_t j0, int64_t j1) {
+    kern.moe_combine_bwd(dt, g.const_data_ptr(), hc.const_data_ptr(), wc.const_data_ptr(), ord, k, d_h2.data_ptr(),
+                         d_w.data_ptr(), j0, j1, H);
   });
   return {d_h2, d_w.to(w.scalar_type())};
 }
@@ -212,6 +182,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs, const at::Tensor& h1,
     const at::Tensor& h2) {
   const int64_t T = hidden.size(0), k = topk_weights.size(1);
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == T && grad.size(1) == hidden.size(1),
+              "kernmap.experts: grad must have the shape of hidden ", hidden.sizes(), ", got ", grad.sizes());
+  TORCH_CHECK(h2.dim() == 2 && h2.size(0) == T * k && h2.size(1) == hidden.size(1) && order.numel() == T * k,
+              "kernmap.experts: h2 must be [T * k, H] = [", T * k, ", ", hidden.size(1), "] and order [", T * k,
+              "], got ", h2.sizes(), " and ", order.sizes());
+  const at::Tensor pos = inverse_permutation(order);  // checks order before the kernels read rows with it
   const at::Tensor token = order.div(k, "floor");
   const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
   // d(weighted row j) = grad_out[token of j] * w[j]; d topk_weights: <grad_out[t], h2 row>, in fp32 at least.
@@ -226,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   const at::Tensor d_a = grouped_mm_cpu(d_h1, gate_up, offs);            // [S, H]
   const at::Tensor a = gather_rows(hidden, token);
   const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1, a, offs);   // [E, 2I, H]
-  const at::Tensor d_hidden = combine(d_a, inverse_permutation(order), T, k, hidden.scalar_type());
+  const at::Tensor d_hidden = combine(d_a, pos, T, k, hidden.scalar_type());
   return {d_hidden, d_topk.view(topk_weights.sizes()), d_gate_up, d_down};
 }
 

@@ -27,6 +27,8 @@ struct KernelTable {
   decltype(&baseline::silu_and_mul_bwd) silu_and_mul_bwd;
   decltype(&baseline::gemm_nt) gemm_nt;
   decltype(&baseline::gemm_bcast) gemm_bcast;
+  decltype(&baseline::moe_combine) moe_combine;
+  decltype(&baseline::moe_combine_bwd) moe_combine_bwd;
 };
 
 /// The table of the active level (chosen on first call).

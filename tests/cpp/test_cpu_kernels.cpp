@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -337,6 +338,125 @@ TEST_P(CpuKernels, GroupedMmForwardSameBitsAtAnyThreadCount) {
   at::set_num_threads(previous);
   EXPECT_TRUE(at::equal(out[0], out[1]));
   EXPECT_TRUE(at::equal(out[0], out[2]));
+}
+
+// Whether two tensors hold the same bits (NaN payloads and signed zeros included).
+::testing::AssertionResult same_bits(const at::Tensor& got, const at::Tensor& want) {
+  if (got.scalar_type() != want.scalar_type() || got.sizes() != want.sizes())
+    return ::testing::AssertionFailure() << got.scalar_type() << got.sizes() << " vs " << want.scalar_type()
+                                         << want.sizes();
+  const auto as_int = [](const at::Tensor& t) {
+    const int64_t size = t.element_size();
+    return t.contiguous().view(size == 8 ? at::kLong : size == 4 ? at::kInt : at::kShort);
+  };
+  const at::Tensor differ = as_int(got).ne(as_int(want));
+  if (!differ.any().item<bool>()) return ::testing::AssertionSuccess();
+  const int64_t i = differ.reshape(-1).nonzero()[0].item<int64_t>();
+  return ::testing::AssertionFailure() << differ.sum().item<int64_t>() << " elements differ; first at flat " << i
+                                       << ": got " << got.reshape(-1)[i].item<double>() << ", want "
+                                       << want.reshape(-1)[i].item<double>();
+}
+
+at::ScalarType acc_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The MoE combine kernel against its scalar math written in ATen ops (each an IEEE operation per element):
+// acc = +0; per slot in order: acc += round_T(row * w) (round_product), row * w, or row; out = round(acc). Rows
+// in a random order (pos a permutation), odd widths around the block sizes, k = 1, 2, 8, output in the rows'
+// dtype and in the accumulation type, the tokens split over two calls; element-wise bit-identical.
+TEST_P(CpuKernels, MoeCombineHasTheBitsOfTheScalarMath) {
+  const auto& kern = kernmap::cpu::kernel_table();
+  const at::ScalarType acc = acc_of(dtype());
+  const int64_t T = 7;
+  for (int64_t H : {1, 15, 16, 17, 33, 2048 + 3})
+    for (int64_t k : {1, 2, 8})
+      for (int mode = 0; mode < 3; ++mode)
+        for (at::ScalarType out_t : {dtype(), acc}) {
+          if (out_t == acc && acc == dtype() && mode > 0) continue;  // same case as the first
+          const bool weighted = mode > 0, round_product = mode == 2;
+          SCOPED_TRACE("H=" + std::to_string(H) + " k=" + std::to_string(k) +
+                       (weighted ? (round_product ? " weighted, rounded" : " weighted") : " unweighted") +
+                       " out=" + std::string(c10::toString(out_t)));
+          const int64_t S = T * k;
+          at::Tensor rows = at::randn({S, H}, at::kDouble).to(dtype());
+          rows[S - 1].narrow(0, 0, std::min<int64_t>(H, 3)).fill_(-0.0);  // a sum of -0 terms is +0
+          const at::Tensor pos = at::randperm(S, at::kLong);
+          // Weights away from zero, so no product is subnormal (avx512bf16 flushes those; see vec.h).
+          const at::Tensor w = (0.05 + 0.95 * at::rand({S}, at::kDouble)).to(acc);
+          at::Tensor want = at::zeros({T, H}, acc);
+          const at::Tensor slots = pos.view({T, k});
+          for (int64_t s = 0; s < k; ++s) {
+            const at::Tensor j = slots.select(1, s).contiguous();
+            at::Tensor term = rows.index_select(0, j).to(acc);
+            if (weighted) term = term * w.index_select(0, j).unsqueeze(1);
+            if (round_product) term = term.to(dtype()).to(acc);
+            want = want + term;
+          }
+          want = want.to(out_t);
+          at::Tensor got = at::full({T, H}, std::numeric_limits<double>::quiet_NaN(), out_t);
+          for (auto [t0, t1] : {std::pair<int64_t, int64_t>{0, 3}, {3, T}})
+            kern.moe_combine(kernmap::ops::cpu_dtype(dtype()), kernmap::ops::cpu_dtype(out_t), rows.const_data_ptr(),
+                             pos.const_data_ptr<int64_t>(), k, weighted ? w.const_data_ptr() : nullptr, round_product,
+                             got.data_ptr(), t0, t1, H);
+          EXPECT_TRUE(same_bits(got, want));
+        }
+}
+
+// The combine's backward: d_rows[j] = round(grad[order[j] / k] * w[j]) bit for bit; d_w[j] = <grad row, row j>
+// against float64 within the bound of an fp32 (fp64) sum of H products in any order: H * 2^-23 * sum |g r|.
+TEST_P(CpuKernels, MoeCombineBackwardMatchesScalarMathAndFloat64) {
+  const auto& kern = kernmap::cpu::kernel_table();
+  const at::ScalarType acc = acc_of(dtype());
+  const int64_t T = 5;
+  for (int64_t H : {1, 15, 16, 17, 33, 2048 + 3})
+    for (int64_t k : {1, 2, 8}) {
+      SCOPED_TRACE("H=" + std::to_string(H) + " k=" + std::to_string(k));
+      const int64_t S = T * k;
+      const at::Tensor grad = at::randn({T, H}, at::kDouble).to(dtype());
+      const at::Tensor rows = at::randn({S, H}, at::kDouble).to(dtype());
+      const at::Tensor order = at::randperm(S, at::kLong);
+      const at::Tensor w = (0.05 + 0.95 * at::rand({S}, at::kDouble)).to(acc);
+      at::Tensor d_rows = at::full({S, H}, std::numeric_limits<double>::quiet_NaN(), dtype());
+      at::Tensor d_w = at::full({S}, std::numeric_limits<double>::quiet_NaN(), acc);
+      for (auto [j0, j1] : {std::pair<int64_t, int64_t>{0, S / 2}, {S / 2, S}})
+        kern.moe_combine_bwd(kernmap::ops::cpu_dtype(dtype()), grad.const_data_ptr(), rows.const_data_ptr(),
+                             w.const_data_ptr(), order.const_data_ptr<int64_t>(), k, d_rows.data_ptr(),
+                             d_w.data_ptr(), j0, j1, H);
+      const at::Tensor g = grad.index_select(0, order.div(k, "floor"));
+      EXPECT_TRUE(same_bits(d_rows, (g.to(acc) * w.unsqueeze(1)).to(dtype())));
+      const at::Tensor prod = g.to(at::kDouble) * rows.to(at::kDouble);
+      const double unit = dtype() == at::kDouble ? std::ldexp(1.0, -52) : std::ldexp(1.0, -23);
+      const at::Tensor bound = double(H) * unit * prod.abs().sum(1);
+      const at::Tensor err = (d_w.to(at::kDouble) - prod.sum(1)).abs();
+      EXPECT_TRUE((err <= bound).all().item<bool>())
+          << "worst error " << (err - bound).max().item<double>() << " over the bound";
+    }
+}
+
+// The Experts op's outputs do not depend on the thread count (the combine passes split tokens and rows over
+// threads; each element and each d_w has one summation order).
+TEST_P(CpuKernels, ExpertsSameBitsAtAnyThreadCount) {
+  const int64_t T = 37, H = 67, E = 5, I = 24, k = 3;
+  const at::Tensor hidden = at::randn({T, H}, at::kDouble).to(dtype());
+  const at::Tensor ids = at::argsort(at::rand({T, E}), /*dim=*/1, /*descending=*/false).narrow(1, 0, k).contiguous();
+  const at::Tensor weights = at::rand({T, k}, at::kDouble).to(dtype());
+  const at::Tensor gate_up = (0.2 * at::randn({E, 2 * I, H}, at::kDouble)).to(dtype());
+  const at::Tensor down = (0.2 * at::randn({E, H, I}, at::kDouble)).to(dtype());
+  const at::Tensor dy = at::randn({T, H}, at::kDouble).to(dtype());
+  const int previous = at::get_num_threads();
+  std::vector<std::vector<at::Tensor>> runs;
+  for (int threads : {1, 2, 3}) {
+    at::set_num_threads(threads);
+    at::Tensor h = hidden.clone().requires_grad_(true), w = weights.clone().requires_grad_(true);
+    at::Tensor y = kernmap::experts(h, ids, w, gate_up, down);
+    torch::autograd::backward({y}, {dy});
+    runs.push_back({y, h.grad(), w.grad()});
+  }
+  at::set_num_threads(previous);
+  for (size_t r = 1; r < runs.size(); ++r)
+    for (size_t i = 0; i < runs[0].size(); ++i) {
+      SCOPED_TRACE("run " + std::to_string(r) + " output " + std::to_string(i));
+      EXPECT_TRUE(same_bits(runs[r][i], runs[0][i]));
+    }
 }
 
 TEST_P(CpuKernels, EmptyInputs) {

@@ -296,6 +296,26 @@ def test_experts_bad_input():
         ops.experts(hidden, ids, weights, gu.double(), dn)
 
 
+def test_experts_backward_bad_saved_tensors():
+    # experts_backward is a public op: an order that is not a permutation would make the combine kernels read
+    # outside the rows.
+    E, k, T, H, I = 4, 2, 6, 8, 5
+    ids, weights = routing(T, E, k)
+    hidden, gu, dn = torch.randn(T, H), torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    out, order, offs, h1, h2 = ops.experts_forward(hidden, ids, weights, gu, dn)
+    grad = torch.randn(T, H)
+    ops.experts_backward(grad, hidden, weights, gu, dn, order, offs, h1, h2)  # the real ones work
+    for bad, message in [(order.clone().fill_(0), r"order must be a permutation of \[0, 12\), got 0 at position 1"),
+                         (order + T * k, r"order must be a permutation of \[0, 12\), got 1[2-9]"),
+                         (order.int(), "order must be a contiguous 1-D int64 tensor")]:
+        with pytest.raises(RuntimeError, match=message):
+            ops.experts_backward(grad, hidden, weights, gu, dn, bad, offs, h1, h2)
+    with pytest.raises(RuntimeError, match=r"grad must have the shape of hidden \[6, 8\], got \[6, 7\]"):
+        ops.experts_backward(grad[:, :7], hidden, weights, gu, dn, order, offs, h1, h2)
+    with pytest.raises(RuntimeError, match=r"h2 must be \[T \* k, H\] = \[12, 8\]"):
+        ops.experts_backward(grad, hidden, weights, gu, dn, order[:-1], offs, h1, h2[:-1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts", [[300], [0, 300, 5]])
 def test_grouped_mm_backward_bit_identical_across_threads(dtype, counts):
