@@ -1,6 +1,7 @@
 // The large-block cache behind empty_large: an at::Allocator whose blocks are mmap'd (2 MiB aligned, huge-page
-// hint), returned to a free list keyed by size when their tensor dies, and unmapped when the cap is reached or
-// on release. Thread-safe (one mutex; allocations are few and large).
+// hint), returned to a free list when their tensor dies (taken again for an equal size), the least recently
+// freed unmapped when the cap is reached, all on release. Thread-safe (one mutex; allocations are few and
+// large).
 #include "ops/memory.h"
 
 #include <ATen/ATen.h>
@@ -12,7 +13,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
+#include <iterator>
+#include <list>
 #include <mutex>
 #include <vector>
 
@@ -79,7 +81,7 @@ class LargeBlockCache final : public c10::Allocator {
     size_t released = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& [bytes, blocks] : free_) out.insert(out.end(), blocks.begin(), blocks.end());
+      out.assign(free_.begin(), free_.end());
       free_.clear();
       released = cached_;
       cached_ = 0;
@@ -97,26 +99,39 @@ class LargeBlockCache final : public c10::Allocator {
  private:
   static void free_block(void* ctx) { get().put(static_cast<Block*>(ctx)); }
 
+  // The most recently freed block of this size (few blocks are cached: a linear search).
   Block* take(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = free_.find(bytes);
-    if (it == free_.end() || it->second.empty()) return nullptr;
-    Block* b = it->second.back();
-    it->second.pop_back();
-    cached_ -= b->bytes;
-    return b;
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it)
+      if ((*it)->bytes == bytes) {
+        Block* b = *it;
+        free_.erase(std::next(it).base());
+        cached_ -= b->bytes;
+        return b;
+      }
+    return nullptr;
   }
 
+  // Keeps the freed block, giving back the least recently freed ones when the cap would be exceeded: the sizes
+  // in use now are the ones the next step asks for (blocks of sizes no longer used, say of an earlier model or
+  // dtype, would otherwise hold the cap forever and every new block would be mapped afresh).
   void put(Block* b) {
+    std::vector<Block*> out;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (cached_ + b->bytes <= cap_) {
-        free_[b->bytes].push_back(b);
+      if (b->bytes > cap_) {
+        out.push_back(b);
+      } else {
+        while (cached_ + b->bytes > cap_) {
+          out.push_back(free_.front());
+          cached_ -= free_.front()->bytes;
+          free_.pop_front();
+        }
+        free_.push_back(b);
         cached_ += b->bytes;
-        return;
       }
     }
-    unmap(b);
+    for (Block* x : out) unmap(x);
   }
 
   Block* map_block(size_t bytes) {
@@ -145,7 +160,7 @@ class LargeBlockCache final : public c10::Allocator {
   const size_t cap_;
   const bool huge_;
   std::mutex mu_;
-  std::map<size_t, std::vector<Block*>> free_;
+  std::list<Block*> free_;  // cached blocks, least recently freed first
   size_t cached_ = 0;
 };
 

@@ -96,6 +96,32 @@ print(kernmap.cached_memory_bytes())
 """
 
 
+_CHILD_LRU = """
+import torch, kernmap
+from test_memory import _weight_grad_case
+grad, a, b, offs = _weight_grad_case()
+# A 32 MiB gradient (fp32 [4, 1024, 2048]) freed first, then the 16 MiB one: under a 40 MiB cap the cache keeps
+# the newer block, not the older one (which would make every later 16 MiB allocation fresh memory).
+_, g32 = torch.ops.kernmap.grouped_mm_backward(torch.randn(12, 2048), a, torch.randn(4, 1024, 2048), offs)
+del g32
+print(kernmap.cached_memory_bytes())
+_, g16 = torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs)
+p16 = g16.data_ptr()
+del g16
+print(kernmap.cached_memory_bytes())
+_, again = torch.ops.kernmap.grouped_mm_backward(grad, a, b, offs)
+print(int(again.data_ptr() == p16))
+"""
+
+
+def test_cache_gives_back_the_least_recently_freed_block_at_the_cap():
+    here = os.path.dirname(__file__)
+    r = _run({"KERNMAP_LARGE_CACHE_MB": "40", "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")},
+             _CHILD_LRU)
+    assert r.returncode == 0, r.stderr
+    assert [int(x) for x in r.stdout.split()[-3:]] == [32 * MiB, 16 * MiB, 1]
+
+
 @pytest.mark.parametrize(("value", "cached"), [("0", 0), ("8", 0), ("64", 16 * MiB)])
 def test_cache_cap_setting(value, cached):
     here = os.path.dirname(__file__)
