@@ -98,6 +98,7 @@ TEST_P(GemmBcast, MatchesFloat64OnEdgeSizesStridesAndBlockedReductions) {
   for (int64_t M : {1, 11, 12, 13, 24, 25, 37})
     for (int64_t N : {1, 17, 32, 33, 130})
       for (int64_t P : {65, 257}) cases.push_back({M, N, P, false});
+  cases.push_back({13, 1100, 301, false});  // bf16: columns in two chunks of 576 and 524, 128-step blocks
   cases.push_back({6, 2048, 301, false});
   cases.push_back({9, 130, 777, false});
   cases.push_back({9, 130, 777, true});
