@@ -54,6 +54,28 @@ Ac* scratch(int64_t n) {
 struct Fetch {
   const char* base = nullptr;
   int64_t ld = 0, row_lines = 1, row = 0, col = 0, lines = 0, per_step = 0;
+
+  // The whole of `rows` rows of `row_bytes` from `first`, `ld` bytes apart (none: nothing to fetch).
+  static Fetch rows_of(const void* first, int64_t ld, int64_t row_bytes, int64_t rows) {
+    Fetch f;
+    f.base = static_cast<const char*>(first);
+    f.ld = ld;
+    f.row_lines = (row_bytes + 63) / 64;
+    f.lines = std::max<int64_t>(0, rows) * f.row_lines;
+    return f;
+  }
+  // Share `call` of `calls` equal shares of the run, spread over `steps` steps.
+  Fetch share(int64_t call, int64_t calls, int64_t steps) const {
+    Fetch f;
+    const int64_t per_call = calls > 0 ? (lines + calls - 1) / calls : 0, start = call * per_call;
+    if (per_call <= 0 || start >= lines) return f;
+    f = *this;
+    f.row = start / row_lines;
+    f.col = start % row_lines;
+    f.lines = std::min(per_call, lines - start);
+    f.per_step = (per_call + std::max<int64_t>(1, steps) - 1) / std::max<int64_t>(1, steps);
+    return f;
+  }
   // Inlined into the register-block loops, which otherwise call it (twice a paired step) with nothing to do.
   // Into the level-2 cache (prefetcht1): the block is read after all of this one, and filling level 1 with it
   // evicted the panels and partial sums in use. Measured on one thread, E128 H2048 I768 T256, grad @ W gate_up
@@ -390,20 +412,12 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
   auto row_block = [&](int64_t blk) { return static_cast<int>(M / nblocks + (blk < M % nblocks ? 1 : 0)); };
   uint32_t* apack = scratch<uint32_t, 4>(M * ((step_p + 1) / 2));
   const uint16_t* a16 = reinterpret_cast<const uint16_t*>(A);
-  const int64_t row_lines = (N * 2 + 63) / 64;
   for (int64_t p0 = 0; p0 < std::max<int64_t>(P, 1); p0 += step_p) {
     const int64_t pn = std::min(step_p, P - p0);
     const bool resume = p0 > 0, park = p0 + pn < P;
     // The next reduction block, in memory order, spread over this block's paired steps.
-    Fetch next;
-    int64_t next_lines = 0;
-    if (park) {
-      next.base = reinterpret_cast<const char*>(B + (p0 + pn) * ldb);
-      next.ld = ldb * 2;
-      next.row_lines = row_lines;
-      next_lines = std::min(step_p, P - p0 - pn) * row_lines;
-    }
-    const int64_t calls = tiles * nblocks, per_call = (next_lines + calls - 1) / calls;
+    const Fetch next = park ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * 2, N * 2, std::min(step_p, P - p0 - pn))
+                            : Fetch{};
     // A's pairs of this block, per row block in step-major order: [step][row] (an odd last step's second
     // element zero, not read from A).
     const int64_t steps = (pn + 1) / 2;
@@ -423,15 +437,7 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
       int64_t m = 0;
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const int mr = row_block(blk);
-        Fetch fetch;
-        if (per_call > 0) {
-          const int64_t start = (t * nblocks + blk) * per_call;
-          fetch = next;
-          fetch.row = start / row_lines;
-          fetch.col = start % row_lines;
-          fetch.lines = std::max<int64_t>(0, std::min(per_call, next_lines - start));
-          fetch.per_step = (per_call + std::max<int64_t>(1, pn / 2) - 1) / std::max<int64_t>(1, pn / 2);
-        }
+        const Fetch fetch = next.share(t * nblocks + blk, tiles * nblocks, pn / 2);
         const Partial<float> part{sums ? sums + m * Np + n : nullptr, Np, resume, park};
         panel_rows_any<Stream>(mr, apack + m * steps, panel, pn, part, C + m * ldc + n, ldc, cols, fetch);
         m += mr;
@@ -518,15 +524,9 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
     // While this reduction block is computed, the next one is fetched in memory order (whole rows of the
     // column range, which the hardware handles far better than the panel order of the computation), spread
     // evenly over the block's register-block calls.
-    Fetch next;
-    int64_t next_lines = 0;
-    if (park) {
-      next.base = reinterpret_cast<const char*>(B + (p0 + pn) * ldb);
-      next.ld = ldb * int64_t(sizeof(T));
-      next.row_lines = (Nw * int64_t(sizeof(T)) + 63) / 64;
-      next_lines = std::min(step_p, P - p0 - pn) * next.row_lines;
-    }
-    const int64_t per_call = calls > 0 ? (next_lines + calls - 1) / calls : 0;
+    const Fetch next = park ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * int64_t(sizeof(T)), Nw * int64_t(sizeof(T)),
+                                             std::min(step_p, P - p0 - pn))
+                            : Fetch{};
     for (int64_t n = 0; n < Nw; n += wide) {
       // A short reduction (the weight gradients of small groups) over B rows a multiple of 4 KiB apart: those
       // rows all fall into the same sets of the level-1 cache, so the panel (pn rows x 64 columns) does not stay
@@ -565,15 +565,7 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
         T* c = C + m * ldc + n;
         // Only the first row block over a panel fetches it near, and only when nothing fetched it before.
         const bool near = m == 0 && p0 == 0 && ldp != wide && !inter;
-        Fetch fetch;
-        if (per_call > 0) {
-          const int64_t start = (n / wide * row_blocks_n + m / kBcastRows) * per_call;
-          fetch = next;
-          fetch.row = start / next.row_lines;
-          fetch.col = start % next.row_lines;
-          fetch.lines = std::max<int64_t>(0, std::min(per_call, next_lines - start));
-          fetch.per_step = (per_call + pn - 1) / pn;
-        }
+        const Fetch fetch = next.share(n / wide * row_blocks_n + m / kBcastRows, calls, pn);
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64) {
           if (inter && a_p == 1)
