@@ -20,6 +20,7 @@
 #include "cli/bench.h"
 #include "cli/commands.h"
 #include "cli/table.h"
+#include "include/kernmap/memory.h"
 #include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
 
@@ -194,8 +195,12 @@ int bench_command(const std::vector<std::string>& args) {
       std::vector<std::string> names;
       for (const Impl& im : c.impls) names.push_back(im.name);
       // The closures hold the case's tensors (GBs of expert weights): drop them before the next case is built,
-      // or every case stays alive through its rows (the whole MoE set ran out of 24 GiB).
+      // or every case stays alive through its rows (the whole MoE set ran out of 24 GiB). The memory this case's
+      // runs freed goes back too — the large-block cache's blocks and what glibc kept (keep_freed_memory): the
+      // next case's sizes differ, and holding both next to an eager reference's peak also ran out of 24 GiB.
       c.impls.clear();
+      kernmap::release_cached_memory();
+      malloc_trim(0);
       for (size_t k = 0; k < names.size(); ++k) {
         rows.push_back({c, names[k], timings[k]});
         // The dense row of a case measures the same peak again: the floor uses the better of the two
