@@ -28,10 +28,12 @@ struct Case {
 
 /// Builds one case (its tensors live only while it runs: MoE cases hold gigabytes of expert weights).
 using CaseBuilder = std::function<Case()>;
-/// Whether cases of a shape (as the table prints it) are wanted: factories skip the others before making tensors.
+/// Whether cases of a shape (as the table prints it) are wanted: factories skip the others before making
+/// tensors.
 using ShapeFilter = std::function<bool(const std::string& shape)>;
 /// A case family: the cases of one op for a dtype name ("float32", "bfloat16").
-using CaseFactory = std::function<std::vector<CaseBuilder>(const std::string& dtype, const ShapeFilter& wanted)>;
+using CaseFactory =
+    std::function<std::vector<CaseBuilder>(const std::string& dtype, const ShapeFilter& wanted)>;
 
 at::ScalarType dtype_of(const std::string& name);
 std::string shape_string(at::IntArrayRef s);

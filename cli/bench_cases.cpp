@@ -5,11 +5,13 @@
 #include <memory>
 
 #include "cli/bench.h"
-#include "include/kernmap/ops.h"
+#include "kernmap/ops.h"
 
 namespace kernmap::cli {
 
-at::ScalarType dtype_of(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
+at::ScalarType dtype_of(const std::string& name) {
+  return name == "bfloat16" ? at::kBFloat16 : at::kFloat;
+}
 
 std::string shape_string(at::IntArrayRef s) {
   std::string out = "[";
@@ -34,15 +36,31 @@ std::function<void()> fwd_bwd(std::vector<at::Tensor> inputs, at::Tensor grad,
 namespace {
 
 // Both passes of one elementwise op on shared inputs (grads are dropped between runs).
-std::vector<Case> both_passes(const std::string& op, const std::string& dtype, const std::vector<at::Tensor>& in,
-                              const at::Tensor& dy, double fwd_bytes, double bwd_bytes,
+std::vector<Case> both_passes(const std::string& op, const std::string& dtype,
+                              const std::vector<at::Tensor>& in, const at::Tensor& dy, double fwd_bytes,
+                              double bwd_bytes,
                               std::function<at::Tensor(const std::vector<at::Tensor>&)> kern,
                               std::function<at::Tensor(const std::vector<at::Tensor>&)> ref) {
   const std::string shape = shape_string(in[0].sizes());
-  Case fwd{op, "fwd", dtype, shape, fwd_bytes, 0, 0,
-           {{"kernmap", [=] { at::NoGradGuard g; kern(in); }}, {"reference", [=] { at::NoGradGuard g; ref(in); }}}};
-  Case both{op, "fwd+bwd", dtype, shape, bwd_bytes, 0, 0,
-            {{"kernmap", fwd_bwd(in, dy, kern)}, {"reference", fwd_bwd(in, dy, ref)}}};
+  Case fwd{op,
+           "fwd",
+           dtype,
+           shape,
+           fwd_bytes,
+           0,
+           0,
+           {{"kernmap",
+             [=] {
+               at::NoGradGuard g;
+               kern(in);
+             }},
+            {"reference", [=] {
+               at::NoGradGuard g;
+               ref(in);
+             }}}};
+  Case both{
+      op,        "fwd+bwd", dtype, shape,
+      bwd_bytes, 0,         0,     {{"kernmap", fwd_bwd(in, dy, kern)}, {"reference", fwd_bwd(in, dy, ref)}}};
   return {fwd, both};
 }
 
@@ -72,7 +90,8 @@ std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype, const ShapeFil
     at::Tensor dy = at::randn({T, H}).to(dt);
     const double e = x.element_size();
     const double fwd_bytes = e * (T * H + H + T * H);
-    const double bwd_bytes = fwd_bytes + e * (T * H + T * H + H + T * H + H);  // + dy, x, w read; dx, dw written
+    const double bwd_bytes =
+        fwd_bytes + e * (T * H + T * H + H + T * H + H);  // + dy, x, w read; dx, dw written
     return both_passes(
         "rms_norm", dtype, {x, w}, dy, fwd_bytes, bwd_bytes,
         [](const std::vector<at::Tensor>& in) { return kernmap::rms_norm(in[0], in[1], 1e-6); },

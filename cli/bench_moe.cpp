@@ -6,8 +6,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "cli/bench.h"
-#include "include/kernmap/memory.h"
-#include "include/kernmap/ops.h"
+#include "kernmap/memory.h"
+#include "kernmap/ops.h"
 
 namespace kernmap::cli {
 namespace {
@@ -33,8 +33,8 @@ at::Tensor offsets_of(const at::Tensor& ids, int64_t E) {
   return at::bincount(ids.reshape(-1), {}, E).cumsum(0).to(at::kInt);
 }
 
-// The layer's weights at a trained model's scale, so activations stay O(1). Expert weights (3-D) are set up as
-// kernelize sets up those of the experts layers it maps: on 2 MiB pages (kernmap/memory.h). Every
+// The layer's weights at a trained model's scale, so activations stay O(1). Expert weights (3-D) are set up
+// as kernelize sets up those of the experts layers it maps: on 2 MiB pages (kernmap/memory.h). Every
 // implementation of a case reads the same tensors.
 at::Tensor weights(std::vector<int64_t> shape, int64_t fan_in, at::ScalarType dt) {
   at::Tensor w = (at::randn(shape) * (1.0 / std::sqrt(double(fan_in)))).to(dt);
@@ -48,35 +48,55 @@ std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype, const ShapeF
   std::vector<CaseBuilder> out;
   for (const MoeShape& s : kShapes)
     if (wanted(describe(s)))
-    for (CaseBuilder& b : builders_of([s, dtype] {
-    const at::ScalarType dt = dtype_of(dtype);
-    const int64_t S = s.T * s.k, N = 2 * s.I;
-    const at::Tensor offs = offsets_of(routing(s), s.E);
-    const at::Tensor a = at::randn({S, s.H}).to(dt);
-    const at::Tensor w = weights({s.E, N, s.H}, s.H, dt);  // gate_up_proj layout; b is its transposed view
-    const at::Tensor dense_b = weights({s.H, N}, s.H, dt);
-    const at::Tensor dy = at::randn({S, N}).to(dt);
-    const double e = a.element_size();
-    const double fwd_bytes = e * (S * s.H + s.E * N * s.H + S * N);
-    const double flops = 2.0 * S * s.H * N;
-    auto kern = [](const std::vector<at::Tensor>& in) { return kernmap::grouped_mm(in[0], in[1].transpose(1, 2), in[2]); };
-    auto ref = [](const std::vector<at::Tensor>& in) {
-      return kernmap::reference::grouped_mm(in[0], in[1].transpose(1, 2), in[2]);
-    };
-    auto dense = [](const std::vector<at::Tensor>& in) { return at::mm(in[0], in[1]); };
-    Case fwd{"grouped_mm", "fwd", dtype, describe(s), fwd_bytes, flops, 5, {}};
-    fwd.impls = {{"kernmap", [=] { at::NoGradGuard g; kern({a, w, offs}); }},
-                 {"reference", [=] { at::NoGradGuard g; ref({a, w, offs}); }},
-                 {"torch._grouped_mm", [=] { at::NoGradGuard g; at::_grouped_mm(a, w.transpose(1, 2), offs); }},
-                 {"dense", [=] { at::NoGradGuard g; dense({a, dense_b}); }}};
-    // torch._grouped_mm's CPU backward fails in torch 2.15 ("Invalid strides/sizes"), so it is timed forward only.
-    Case both{"grouped_mm", "fwd+bwd", dtype, describe(s), 2 * fwd_bytes + e * S * s.H, 3 * flops, 3, {}};
-    both.impls = {{"kernmap", fwd_bwd({a, w, offs}, dy, kern)},
-                  {"reference", fwd_bwd({a, w, offs}, dy, ref)},
-                  {"dense", fwd_bwd({a, dense_b}, dy, dense)}};
-    return std::vector<Case>{fwd, both};
-  }))
-      out.push_back(std::move(b));
+      for (CaseBuilder& b : builders_of([s, dtype] {
+             const at::ScalarType dt = dtype_of(dtype);
+             const int64_t S = s.T * s.k, N = 2 * s.I;
+             const at::Tensor offs = offsets_of(routing(s), s.E);
+             const at::Tensor a = at::randn({S, s.H}).to(dt);
+             const at::Tensor w =
+                 weights({s.E, N, s.H}, s.H, dt);  // gate_up_proj layout; b is its transposed view
+             const at::Tensor dense_b = weights({s.H, N}, s.H, dt);
+             const at::Tensor dy = at::randn({S, N}).to(dt);
+             const double e = a.element_size();
+             const double fwd_bytes = e * (S * s.H + s.E * N * s.H + S * N);
+             const double flops = 2.0 * S * s.H * N;
+             auto kern = [](const std::vector<at::Tensor>& in) {
+               return kernmap::grouped_mm(in[0], in[1].transpose(1, 2), in[2]);
+             };
+             auto ref = [](const std::vector<at::Tensor>& in) {
+               return kernmap::reference::grouped_mm(in[0], in[1].transpose(1, 2), in[2]);
+             };
+             auto dense = [](const std::vector<at::Tensor>& in) { return at::mm(in[0], in[1]); };
+             Case fwd{"grouped_mm", "fwd", dtype, describe(s), fwd_bytes, flops, 5, {}};
+             fwd.impls = {{"kernmap",
+                           [=] {
+                             at::NoGradGuard g;
+                             kern({a, w, offs});
+                           }},
+                          {"reference",
+                           [=] {
+                             at::NoGradGuard g;
+                             ref({a, w, offs});
+                           }},
+                          {"torch._grouped_mm",
+                           [=] {
+                             at::NoGradGuard g;
+                             at::_grouped_mm(a, w.transpose(1, 2), offs);
+                           }},
+                          {"dense", [=] {
+                             at::NoGradGuard g;
+                             dense({a, dense_b});
+                           }}};
+             // torch._grouped_mm's CPU backward fails in torch 2.15 ("Invalid strides/sizes"), so it is timed
+             // forward only.
+             Case both{"grouped_mm", "fwd+bwd", dtype, describe(s), 2 * fwd_bytes + e * S * s.H,
+                       3 * flops,    3,         {}};
+             both.impls = {{"kernmap", fwd_bwd({a, w, offs}, dy, kern)},
+                           {"reference", fwd_bwd({a, w, offs}, dy, ref)},
+                           {"dense", fwd_bwd({a, dense_b}, dy, dense)}};
+             return std::vector<Case>{fwd, both};
+           }))
+        out.push_back(std::move(b));
   return out;
 }
 
@@ -84,32 +104,42 @@ std::vector<CaseBuilder> experts_cases(const std::string& dtype, const ShapeFilt
   std::vector<CaseBuilder> out;
   for (const MoeShape& s : kShapes)
     if (wanted(describe(s)))
-    for (CaseBuilder& b : builders_of([s, dtype] {
-    const at::ScalarType dt = dtype_of(dtype);
-    const at::Tensor ids = routing(s);
-    const at::Tensor topk_w = at::rand({s.T, s.k}).softmax(-1).to(dt);
-    const at::Tensor hidden = at::randn({s.T, s.H}).to(dt);
-    const at::Tensor gate_up = weights({s.E, 2 * s.I, s.H}, s.H, dt);
-    const at::Tensor down = weights({s.E, s.H, s.I}, s.I, dt);
-    const at::Tensor dy = at::randn({s.T, s.H}).to(dt);
-    const double e = hidden.element_size();
-    const double weight_bytes = e * s.E * 3.0 * s.I * s.H;
-    const double act_bytes = e * 2.0 * s.T * s.H;
-    const double flops = 6.0 * s.T * s.k * s.H * s.I;
-    auto kern = [](const std::vector<at::Tensor>& in) { return kernmap::experts(in[0], in[1], in[2], in[3], in[4]); };
-    auto ref = [](const std::vector<at::Tensor>& in) {
-      return kernmap::reference::experts(in[0], in[1], in[2], in[3], in[4]);
-    };
-    Case fwd{"experts", "fwd", dtype, describe(s), weight_bytes + act_bytes, flops, 5, {}};
-    fwd.impls = {{"kernmap", [=] { at::NoGradGuard g; kern({hidden, ids, topk_w, gate_up, down}); }},
-                 {"reference", [=] { at::NoGradGuard g; ref({hidden, ids, topk_w, gate_up, down}); }}};
-    // fwd+bwd moves the weights in and their gradients out, the activations and their gradients.
-    Case both{"experts", "fwd+bwd", dtype, describe(s), 2 * weight_bytes + 2 * act_bytes, 3 * flops, 3, {}};
-    both.impls = {{"kernmap", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, kern)},
-                  {"reference", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, ref), 1}};
-    return std::vector<Case>{fwd, both};
-  }))
-      out.push_back(std::move(b));
+      for (CaseBuilder& b : builders_of([s, dtype] {
+             const at::ScalarType dt = dtype_of(dtype);
+             const at::Tensor ids = routing(s);
+             const at::Tensor topk_w = at::rand({s.T, s.k}).softmax(-1).to(dt);
+             const at::Tensor hidden = at::randn({s.T, s.H}).to(dt);
+             const at::Tensor gate_up = weights({s.E, 2 * s.I, s.H}, s.H, dt);
+             const at::Tensor down = weights({s.E, s.H, s.I}, s.I, dt);
+             const at::Tensor dy = at::randn({s.T, s.H}).to(dt);
+             const double e = hidden.element_size();
+             const double weight_bytes = e * s.E * 3.0 * s.I * s.H;
+             const double act_bytes = e * 2.0 * s.T * s.H;
+             const double flops = 6.0 * s.T * s.k * s.H * s.I;
+             auto kern = [](const std::vector<at::Tensor>& in) {
+               return kernmap::experts(in[0], in[1], in[2], in[3], in[4]);
+             };
+             auto ref = [](const std::vector<at::Tensor>& in) {
+               return kernmap::reference::experts(in[0], in[1], in[2], in[3], in[4]);
+             };
+             Case fwd{"experts", "fwd", dtype, describe(s), weight_bytes + act_bytes, flops, 5, {}};
+             fwd.impls = {{"kernmap",
+                           [=] {
+                             at::NoGradGuard g;
+                             kern({hidden, ids, topk_w, gate_up, down});
+                           }},
+                          {"reference", [=] {
+                             at::NoGradGuard g;
+                             ref({hidden, ids, topk_w, gate_up, down});
+                           }}};
+             // fwd+bwd moves the weights in and their gradients out, the activations and their gradients.
+             Case both{"experts", "fwd+bwd", dtype, describe(s), 2 * weight_bytes + 2 * act_bytes,
+                       3 * flops, 3,         {}};
+             both.impls = {{"kernmap", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, kern)},
+                           {"reference", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, ref), 1}};
+             return std::vector<Case>{fwd, both};
+           }))
+        out.push_back(std::move(b));
   return out;
 }
 

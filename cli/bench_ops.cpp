@@ -1,11 +1,14 @@
 // `kernmap bench ops`: each kernel against the reference, side by side in one run. Repetitions of the
 // implementations of one case are interleaved so machine drift hits them alike; medians after warm-up. The
-// machine's copy bandwidth (bytes read + bytes written by a large buffer copy) is measured in the same run and
-// each kernel's GB/s (each input read once, each output written once, over the median) is reported against it.
+// machine's copy bandwidth (bytes read + bytes written by a large buffer copy) is measured in the same run
+// and each kernel's GB/s (each input read once, each output written once, over the median) is reported
+// against it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <malloc.h>
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,15 +17,13 @@
 #include <regex>
 #include <stdexcept>
 #include <string>
-#include <malloc.h>
-#include <unistd.h>
 
 #include "cli/bench.h"
 #include "cli/commands.h"
 #include "cli/table.h"
-#include "include/kernmap/memory.h"
-#include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "kernmap/memory.h"
+#include "kernmap/ops.h"
 
 namespace kernmap::cli {
 namespace {
@@ -79,7 +80,8 @@ double copy_gbps(const Options& o) {
 
 Options parse(const std::vector<std::string>& args) {
   if (args.empty() || args[0] != "ops")
-    throw std::invalid_argument("expected 'bench ops', got 'bench" + (args.empty() ? "" : " " + args[0]) + "'");
+    throw std::invalid_argument("expected 'bench ops', got 'bench" + (args.empty() ? "" : " " + args[0]) +
+                                "'");
   Options o;
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -111,7 +113,8 @@ Options parse(const std::vector<std::string>& args) {
     } else if (a == "--reps") {
       o.reps = count(1);
     } else {
-      throw std::invalid_argument("unknown option '" + a + "' (expected --json, --filter, --shape, --impl, --warmup, --reps)");
+      throw std::invalid_argument("unknown option '" + a +
+                                  "' (expected --json, --filter, --shape, --impl, --warmup, --reps)");
     }
   }
   return o;
@@ -120,8 +123,9 @@ Options parse(const std::vector<std::string>& args) {
 }  // namespace
 
 // glibc returns every block over 32 MiB to the OS on free, so each large output would be page-faulted in
-// (and zeroed by the kernel) on every call: a cost of the allocator, not of the op. Training frameworks avoid it
-// (caching allocators, jemalloc); the benchmark keeps freed memory in the process for every implementation alike.
+// (and zeroed by the kernel) on every call: a cost of the allocator, not of the op. Training frameworks avoid
+// it (caching allocators, jemalloc); the benchmark keeps freed memory in the process for every implementation
+// alike.
 void keep_freed_memory() {
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
@@ -133,7 +137,12 @@ double dense_gflops(const std::string& dtype, const Options& o) {
   const at::Tensor a = at::randn({2048, 2048}).to(dt), b = at::randn({2048, 2048}).to(dt);
   Options opts = o;
   opts.reps = std::max(3, std::min(o.reps, 7));
-  const Timing t = time_interleaved({Impl{"dense", [&] { at::NoGradGuard g; at::mm(a, b); }}}, opts)[0];
+  const Timing t = time_interleaved({Impl{"dense",
+                                          [&] {
+                                            at::NoGradGuard g;
+                                            at::mm(a, b);
+                                          }}},
+                                    opts)[0];
   return 2.0 * 2048 * 2048 * 2048 / (t.median_ms * 1e6);
 }
 
@@ -150,7 +159,8 @@ int bench_command(const std::vector<std::string>& args) {
     try {
       return std::regex(text.empty() ? ".*" : text);
     } catch (const std::regex_error& e) {
-      throw std::invalid_argument(std::string(flag) + " '" + text + "' is not a valid regular expression: " + e.what());
+      throw std::invalid_argument(std::string(flag) + " '" + text +
+                                  "' is not a valid regular expression: " + e.what());
     }
   };
   const std::regex filter = regex_of("--filter", o.filter);
@@ -179,12 +189,13 @@ int bench_command(const std::vector<std::string>& args) {
       if (!wanted(c.shape)) continue;
       std::vector<Impl> impls;
       for (Impl& im : c.impls)
-        if (std::regex_search(c.op + "/" + c.pass + "/" + im.name, impl_filter)) impls.push_back(std::move(im));
+        if (std::regex_search(c.op + "/" + c.pass + "/" + im.name, impl_filter))
+          impls.push_back(std::move(im));
       c.impls = std::move(impls);
       if (c.impls.empty()) continue;
       if (progress)
-        std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, planned.size(), c.op.c_str(), c.pass.c_str(),
-                     dt.c_str(), c.shape.c_str());
+        std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, planned.size(), c.op.c_str(),
+                     c.pass.c_str(), dt.c_str(), c.shape.c_str());
       if (c.flops > 0 && !peak.count(dt)) peak[dt] = dense_gflops(dt, o);
       Options co = o;
       if (c.max_reps > 0) {
@@ -194,10 +205,11 @@ int bench_command(const std::vector<std::string>& args) {
       const auto timings = time_interleaved(c.impls, co);
       std::vector<std::string> names;
       for (const Impl& im : c.impls) names.push_back(im.name);
-      // The closures hold the case's tensors (GBs of expert weights): drop them before the next case is built,
-      // or every case stays alive through its rows (the whole MoE set ran out of 24 GiB). The memory this case's
-      // runs freed goes back too — the large-block cache's blocks and what glibc kept (keep_freed_memory): the
-      // next case's sizes differ, and holding both next to an eager reference's peak also ran out of 24 GiB.
+      // The closures hold the case's tensors (GBs of expert weights): drop them before the next case is
+      // built, or every case stays alive through its rows (the whole MoE set ran out of 24 GiB). The memory
+      // this case's runs freed goes back too — the large-block cache's blocks and what glibc kept
+      // (keep_freed_memory): the next case's sizes differ, and holding both next to an eager reference's peak
+      // also ran out of 24 GiB.
       c.impls.clear();
       kernmap::release_cached_memory();
       malloc_trim(0);
@@ -205,7 +217,8 @@ int bench_command(const std::vector<std::string>& args) {
         rows.push_back({c, names[k], timings[k]});
         // The dense row of a case measures the same peak again: the floor uses the better of the two
         // measurements (one slow calibration, e.g. a first MKL call, would otherwise flatter every row).
-        if (names[k] == "dense" && c.flops > 0) peak[dt] = std::max(peak[dt], c.flops / (timings[k].median_ms * 1e6));
+        if (names[k] == "dense" && c.flops > 0)
+          peak[dt] = std::max(peak[dt], c.flops / (timings[k].median_ms * 1e6));
       }
     }
   }
@@ -236,13 +249,15 @@ int bench_command(const std::vector<std::string>& args) {
            ", \"cpu_level\": " + json_string(cpu::level_name(cpu::active_level())) + "}, \"results\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      out += std::string(i ? ", " : "") + "{\"op\": " + json_string(r.c.op) + ", \"pass\": " + json_string(r.c.pass) +
-             ", \"dtype\": " + json_string(r.c.dtype) + ", \"shape\": " + json_string(r.c.shape) +
-             ", \"impl\": " + json_string(r.impl) + ", \"median_ms\": " + fixed(r.t.median_ms, 4) +
-             ", \"min_ms\": " + fixed(r.t.min_ms, 4) + ", \"max_ms\": " + fixed(r.t.max_ms, 4) +
-             ", \"gbps\": " + fixed(gbps(r), 2) + ", \"pct_of_copy\": " + fixed(100 * gbps(r) / copy, 1) +
+      out += std::string(i ? ", " : "") + "{\"op\": " + json_string(r.c.op) +
+             ", \"pass\": " + json_string(r.c.pass) + ", \"dtype\": " + json_string(r.c.dtype) +
+             ", \"shape\": " + json_string(r.c.shape) + ", \"impl\": " + json_string(r.impl) +
+             ", \"median_ms\": " + fixed(r.t.median_ms, 4) + ", \"min_ms\": " + fixed(r.t.min_ms, 4) +
+             ", \"max_ms\": " + fixed(r.t.max_ms, 4) + ", \"gbps\": " + fixed(gbps(r), 2) +
+             ", \"pct_of_copy\": " + fixed(100 * gbps(r) / copy, 1) +
              ", \"speedup_vs_reference\": " + fixed(reference_ms(r) / r.t.median_ms, 3) +
-             ", \"floor_ms\": " + fixed(floor_ms(r), 4) + ", \"x_floor\": " + fixed(r.t.median_ms / floor_ms(r), 3);
+             ", \"floor_ms\": " + fixed(floor_ms(r), 4) +
+             ", \"x_floor\": " + fixed(r.t.median_ms / floor_ms(r), 3);
       if (r.c.flops > 0) out += ", \"gflops\": " + fixed(gflops(r), 1);
       out += "}";
     }
@@ -251,10 +266,12 @@ int bench_command(const std::vector<std::string>& args) {
   }
   std::printf("machine: copy bandwidth %.1f GB/s (read + write)", copy);
   for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
-  std::printf("; %d threads, CPU level %s; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians\n\n",
-              at::get_num_threads(), cpu::level_name(cpu::active_level()), o.warmup, o.reps);
-  Table t{{"op", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s", "floor ms",
-           "x floor", "speedup"},
+  std::printf(
+      "; %d threads, CPU level %s; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), "
+      "medians\n\n",
+      at::get_num_threads(), cpu::level_name(cpu::active_level()), o.warmup, o.reps);
+  Table t{{"op", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s",
+           "floor ms", "x floor", "speedup"},
           {}};
   for (const Row& r : rows)
     t.rows.push_back({r.c.op, r.c.pass, r.c.dtype, r.c.shape, r.impl, fixed(r.t.median_ms, 3),

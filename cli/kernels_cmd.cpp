@@ -7,9 +7,9 @@
 
 #include "cli/commands.h"
 #include "cli/table.h"
-#include "include/kernmap/plugins.h"
-#include "include/kernmap/registry.h"
 #include "kernels/cpu/isa.h"
+#include "kernmap/plugins.h"
+#include "kernmap/registry.h"
 
 namespace kernmap::cli {
 namespace {

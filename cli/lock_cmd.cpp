@@ -4,7 +4,7 @@
 #include <string>
 
 #include "cli/commands.h"
-#include "include/kernmap/plugins.h"
+#include "kernmap/plugins.h"
 
 namespace kernmap::cli {
 

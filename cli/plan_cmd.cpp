@@ -8,7 +8,7 @@
 
 #include "cli/commands.h"
 #include "cli/table.h"
-#include "include/kernmap/models.h"
+#include "kernmap/models.h"
 
 namespace kernmap::cli {
 

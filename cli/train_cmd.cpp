@@ -9,7 +9,7 @@
 
 #include "cli/commands.h"
 #include "cli/table.h"
-#include "include/kernmap/train.h"
+#include "kernmap/train.h"
 
 namespace kernmap::cli {
 namespace {

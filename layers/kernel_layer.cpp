@@ -5,8 +5,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "include/kernmap/layers.h"
-#include "include/kernmap/memory.h"
+#include "kernmap/layers.h"
+#include "kernmap/memory.h"
 
 namespace kernmap {
 namespace {

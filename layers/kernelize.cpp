@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "include/kernmap/layers.h"
+#include "kernmap/layers.h"
 
 namespace kernmap {
 namespace {

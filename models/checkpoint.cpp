@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "include/kernmap/models.h"
-#include "include/kernmap/safetensors.h"
+#include "kernmap/models.h"
+#include "kernmap/safetensors.h"
 #include "models/safetensors_format.h"
 
 namespace kernmap {

@@ -6,7 +6,7 @@
 #include <sstream>
 #include <string>
 
-#include "include/kernmap/models.h"
+#include "kernmap/models.h"
 
 namespace kernmap {
 namespace {

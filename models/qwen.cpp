@@ -7,7 +7,7 @@
 #include <cmath>
 #include <string>
 
-#include "include/kernmap/models.h"
+#include "kernmap/models.h"
 
 namespace kernmap {
 namespace {

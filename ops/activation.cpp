@@ -1,12 +1,12 @@
-// kernmap::silu, kernmap::silu_and_mul and kernmap::swiglu: checks, CPU implementations over kernels/cpu, Meta
-// shapes, and autograd.
+// kernmap::silu, kernmap::silu_and_mul and kernmap::swiglu: checks, CPU implementations over kernels/cpu,
+// Meta shapes, and autograd.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "ops/memory.h"
 
@@ -69,7 +69,9 @@ class SiluFunction : public torch::autograd::Function<SiluFunction> {
     return {op.call(grads[0], ctx->get_saved_variables()[0])};
   }
 };
-at::Tensor silu_autograd(const at::Tensor& x) { return SiluFunction::apply(x); }
+at::Tensor silu_autograd(const at::Tensor& x) {
+  return SiluFunction::apply(x);
+}
 
 // ---- silu_and_mul ---------------------------------------------------------------------------------------
 
@@ -78,7 +80,8 @@ void check_gate_up(const char* op, const at::Tensor& gate, const at::Tensor& up)
   check_same_dtype(op, "gate", gate, "up", up);
   check_same_device(op, "gate", gate, "up", up);
   check_same_shape(op, "gate", gate, "up", up);
-  TORCH_CHECK(gate.dim() >= 1, "kernmap.", op, ": gate must have at least 1 dimension [..., I], got a 0-d tensor");
+  TORCH_CHECK(gate.dim() >= 1, "kernmap.", op,
+              ": gate must have at least 1 dimension [..., I], got a 0-d tensor");
 }
 
 at::Tensor silu_and_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
@@ -89,8 +92,8 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   const auto& k = cpu::kernel_table();
   const bool stream = stream_outputs(3 * gate.numel() * gate.element_size());
   at::parallel_for(0, g.rows, row_grain(g.cols), [&](int64_t r0, int64_t r1) {
-    k.silu_and_mul_fwd(cpu_dtype(gate.scalar_type()), g.data(), g.stride, u.data(), u.stride, y.data_ptr(), r0, r1,
-                       g.cols, stream);
+    k.silu_and_mul_fwd(cpu_dtype(gate.scalar_type()), g.data(), g.stride, u.data(), u.stride, y.data_ptr(),
+                       r0, r1, g.cols, stream);
   });
   return y;
 }
@@ -109,8 +112,8 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_backward_cpu(const at::Tensor& g
   const auto& k = cpu::kernel_table();
   const bool stream = stream_outputs(5 * gate.numel() * gate.element_size());
   at::parallel_for(0, g.rows, row_grain(g.cols), [&](int64_t r0, int64_t r1) {
-    k.silu_and_mul_bwd(cpu_dtype(gate.scalar_type()), d.data(), d.stride, g.data(), g.stride, u.data(), u.stride,
-                       dg.data_ptr(), g.cols, du.data_ptr(), g.cols, r0, r1, g.cols, stream);
+    k.silu_and_mul_bwd(cpu_dtype(gate.scalar_type()), d.data(), d.stride, g.data(), g.stride, u.data(),
+                       u.stride, dg.data_ptr(), g.cols, du.data_ptr(), g.cols, r0, r1, g.cols, stream);
   });
   return {dg, du};
 }
@@ -119,8 +122,8 @@ at::Tensor silu_and_mul_meta(const at::Tensor& gate, const at::Tensor& up) {
   check_gate_up("silu_and_mul", gate, up);
   return at::empty(gate.sizes(), gate.options());
 }
-std::tuple<at::Tensor, at::Tensor> silu_and_mul_backward_meta(const at::Tensor& grad_y, const at::Tensor& gate,
-                                                              const at::Tensor& up) {
+std::tuple<at::Tensor, at::Tensor> silu_and_mul_backward_meta(const at::Tensor& grad_y,
+                                                              const at::Tensor& gate, const at::Tensor& up) {
   check_gate_up("silu_and_mul_backward", gate, up);
   return {at::empty(gate.sizes(), gate.options()), at::empty(up.sizes(), up.options())};
 }
@@ -134,9 +137,8 @@ class SiluAndMulFunction : public torch::autograd::Function<SiluAndMulFunction> 
     return op.call(gate, up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op =
-        op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-            "kernmap::silu_and_mul_backward");
+    static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&)>("kernmap::silu_and_mul_backward");
     const auto saved = ctx->get_saved_variables();
     auto [dg, du] = op.call(grads[0], saved[0], saved[1]);
     return {dg, du};
@@ -170,16 +172,17 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_up) {
   const auto& k = cpu::kernel_table();
   const bool stream = stream_outputs(3 * y.numel() * elem);
   at::parallel_for(0, gu.rows, row_grain(I), [&](int64_t r0, int64_t r1) {
-    k.silu_and_mul_fwd(cpu_dtype(gate_up.scalar_type()), base, gu.stride, base + I * elem, gu.stride, y.data_ptr(),
-                       r0, r1, I, stream);
+    k.silu_and_mul_fwd(cpu_dtype(gate_up.scalar_type()), base, gu.stride, base + I * elem, gu.stride,
+                       y.data_ptr(), r0, r1, I, stream);
   });
   return y;
 }
 
 at::Tensor swiglu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& gate_up) {
   const int64_t I = check_gate_up_packed("swiglu_backward", gate_up);
-  TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(half_last(gate_up)), "kernmap.swiglu_backward: grad_y must have shape ",
-              half_last(gate_up), ", got ", grad_y.sizes());
+  TORCH_CHECK(grad_y.sizes() == at::IntArrayRef(half_last(gate_up)),
+              "kernmap.swiglu_backward: grad_y must have shape ", half_last(gate_up), ", got ",
+              grad_y.sizes());
   check_same_dtype("swiglu_backward", "gate_up", gate_up, "grad_y", grad_y);
   check_same_device("swiglu_backward", "gate_up", gate_up, "grad_y", grad_y);
   at::Tensor dgu = empty_large(gate_up.sizes(), gate_up.options());
@@ -219,7 +222,9 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
     return {op.call(grads[0], ctx->get_saved_variables()[0])};
   }
 };
-at::Tensor swiglu_autograd(const at::Tensor& gate_up) { return SwigluFunction::apply(gate_up); }
+at::Tensor swiglu_autograd(const at::Tensor& gate_up) {
+  return SwigluFunction::apply(gate_up);
+}
 
 }  // namespace
 

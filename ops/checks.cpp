@@ -31,20 +31,20 @@ Rows as_rows(const at::Tensor& t) {
 
 void check_floating(const char* op, const char* arg, const at::Tensor& t) {
   const auto s = t.scalar_type();
-  TORCH_CHECK(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf || s == at::kDouble, "kernmap.", op, ": ",
-              arg, " must be float32, bfloat16, float16 or float64, got ", s);
+  TORCH_CHECK(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf || s == at::kDouble, "kernmap.", op,
+              ": ", arg, " must be float32, bfloat16, float16 or float64, got ", s);
 }
 
 void check_same_dtype(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
                       const at::Tensor& b) {
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "kernmap.", op, ": ", arg_b, " must have the dtype of ", arg_a,
-              " (", a.scalar_type(), "), got ", b.scalar_type());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "kernmap.", op, ": ", arg_b, " must have the dtype of ",
+              arg_a, " (", a.scalar_type(), "), got ", b.scalar_type());
 }
 
 void check_same_device(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
                        const at::Tensor& b) {
-  TORCH_CHECK(a.device() == b.device(), "kernmap.", op, ": ", arg_b, " must be on the device of ", arg_a, " (",
-              a.device(), "), got ", b.device());
+  TORCH_CHECK(a.device() == b.device(), "kernmap.", op, ": ", arg_b, " must be on the device of ", arg_a,
+              " (", a.device(), "), got ", b.device());
 }
 
 void check_same_shape(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
@@ -68,9 +68,13 @@ cpu::DType cpu_dtype(at::ScalarType t) {
   }
 }
 
-at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+at::ScalarType acc_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
 
-int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+int64_t row_grain(int64_t cols) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
+}
 
 bool stream_outputs(int64_t bytes) {
   static const int64_t llc = [] {

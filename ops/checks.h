@@ -24,12 +24,14 @@ Rows as_rows(const at::Tensor& t);
 /// Throws unless t is float32, bfloat16, float16 or float64.
 void check_floating(const char* op, const char* arg, const at::Tensor& t);
 /// Throws unless a and b have equal dtypes.
-void check_same_dtype(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b, const at::Tensor& b);
+void check_same_dtype(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
+                      const at::Tensor& b);
 /// Throws unless a and b are on the same device.
 void check_same_device(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
                        const at::Tensor& b);
 /// Throws unless a and b have equal shapes.
-void check_same_shape(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b, const at::Tensor& b);
+void check_same_shape(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
+                      const at::Tensor& b);
 
 /// The kernels' element type for a checked floating dtype.
 cpu::DType cpu_dtype(at::ScalarType t);
@@ -46,8 +48,8 @@ int64_t row_grain(int64_t cols);
 
 /// Whether a call that reads and writes `bytes` in all should write its large outputs with streaming stores:
 /// true when they exceed the last-level cache (sysconf's L3 size, 32 MiB where it reports none), so the
-/// outputs could not stay cached for their consumer anyway, and streaming saves the read-for-ownership of each
-/// written line and keeps the inputs cached (docs/ops.md, "CPU kernels").
+/// outputs could not stay cached for their consumer anyway, and streaming saves the read-for-ownership of
+/// each written line and keeps the inputs cached (docs/ops.md, "CPU kernels").
 bool stream_outputs(int64_t bytes);
 
 }  // namespace kernmap::ops

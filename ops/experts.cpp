@@ -1,6 +1,7 @@
-// kernmap::experts: a MoE layer's expert MLPs in the transformers 5.x layout, as sorted-token grouped products:
-// sort the (token, slot) pairs by expert (a stable counting sort: deterministic), gather, grouped gate_up
-// product, fused SiLU-and-mul, grouped down product, weighted combine in fp32. Forward, backward, Meta, autograd.
+// kernmap::experts: a MoE layer's expert MLPs in the transformers 5.x layout, as sorted-token grouped
+// products: sort the (token, slot) pairs by expert (a stable counting sort: deterministic), gather, grouped
+// gate_up product, fused SiLU-and-mul, grouped down product, weighted combine in fp32. Forward, backward,
+// Meta, autograd.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -8,8 +9,8 @@
 
 #include <vector>
 
-#include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "ops/grouped_mm.h"
 #include "ops/memory.h"
@@ -36,17 +37,19 @@ Shapes check_experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const
     check_same_device(kOp, "hidden", hidden, name, t);
   TORCH_CHECK(hidden.dim() == 2, "kernmap.experts: hidden must be 2-D [T, H], got ", hidden.sizes());
   const int64_t T = hidden.size(0), H = hidden.size(1);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T, "kernmap.experts: topk_ids must be [T, k] with T = ", T,
-              ", got ", topk_ids.sizes());
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T,
+              "kernmap.experts: topk_ids must be [T, k] with T = ", T, ", got ", topk_ids.sizes());
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong || topk_ids.scalar_type() == at::kInt,
               "kernmap.experts: topk_ids must be int64 or int32, got ", topk_ids.scalar_type());
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "kernmap.experts: topk_weights must have the shape of topk_ids ",
-              topk_ids.sizes(), ", got ", topk_weights.sizes());
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(),
+              "kernmap.experts: topk_weights must have the shape of topk_ids ", topk_ids.sizes(), ", got ",
+              topk_weights.sizes());
   TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(2) == H && gate_up.size(1) % 2 == 0,
               "kernmap.experts: gate_up_proj must be [E, 2I, H] with H = ", H, ", got ", gate_up.sizes());
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(down.dim() == 3 && down.size(0) == E && down.size(1) == H && down.size(2) == I,
-              "kernmap.experts: down_proj must be [E, H, I] = [", E, ", ", H, ", ", I, "], got ", down.sizes());
+              "kernmap.experts: down_proj must be [E, H, I] = [", E, ", ", H, ", ", I, "], got ",
+              down.sizes());
   return {T, H, topk_ids.size(1), E, I};
 }
 
@@ -85,8 +88,8 @@ at::Tensor inverse_permutation(const at::Tensor& order) {
   const int64_t* o = order.const_data_ptr<int64_t>();
   int64_t* p = pos.data_ptr<int64_t>();
   for (int64_t j = 0; j < S; ++j) {
-    TORCH_CHECK(o[j] >= 0 && o[j] < S && p[o[j]] < 0, "kernmap.experts: order must be a permutation of [0, ", S,
-                "), got ", o[j], " at position ", j);
+    TORCH_CHECK(o[j] >= 0 && o[j] < S && p[o[j]] < 0, "kernmap.experts: order must be a permutation of [0, ",
+                S, "), got ", o[j], " at position ", j);
     p[o[j]] = j;
   }
   return pos;
@@ -99,7 +102,9 @@ at::Tensor gather_rows(const at::Tensor& hidden, const at::Tensor& token) {
 }
 
 // The fp32 accumulation type of a dtype (fp64 for fp64).
-at::ScalarType acc_type(at::ScalarType t) { return at::promote_types(at::kFloat, t); }
+at::ScalarType acc_type(at::ScalarType t) {
+  return at::promote_types(at::kFloat, t);
+}
 
 // The fused paths below compute weight products in acc_type(rows); a float64 weight on lower-precision rows
 // would make transformers' product float64, so such calls keep the ATen composition.
@@ -107,23 +112,27 @@ bool fusable(const at::Tensor& rows, const at::Tensor& weights) {
   return weights.scalar_type() != at::kDouble || rows.scalar_type() == at::kDouble;
 }
 
-// out[t] = sum over slots, in slot order, of rows[pos[t * k + slot]] * weights[pos[...]] (the product rounded to
-// the rows' dtype unless the weights' dtype is wider, as transformers' `rows * weights`; no weights: the rows),
-// accumulated in fp32 for reduced precision and rounded once to out_dtype: transformers' reshape + sum in one
-// pass (the CPU kernel moe_combine), without gathered or widened copies; deterministic.
-at::Tensor combine(const at::Tensor& rows, const at::Tensor& pos, int64_t T, int64_t k, at::ScalarType out_dtype,
-                   const at::Tensor& weights = {}) {
+// out[t] = sum over slots, in slot order, of rows[pos[t * k + slot]] * weights[pos[...]] (the product rounded
+// to the rows' dtype unless the weights' dtype is wider, as transformers' `rows * weights`; no weights: the
+// rows), accumulated in fp32 for reduced precision and rounded once to out_dtype: transformers' reshape + sum
+// in one pass (the CPU kernel moe_combine), without gathered or widened copies; deterministic.
+at::Tensor combine(const at::Tensor& rows, const at::Tensor& pos, int64_t T, int64_t k,
+                   at::ScalarType out_dtype, const at::Tensor& weights = {}) {
   const int64_t H = rows.size(1);
   if (weights.defined() && !fusable(rows, weights)) {
     const at::Tensor weighted = rows * weights.unsqueeze(-1);
-    return weighted.index_select(0, pos).view({T, k, H}).sum(1, false, acc_type(weighted.scalar_type())).to(out_dtype);
+    return weighted.index_select(0, pos)
+        .view({T, k, H})
+        .sum(1, false, acc_type(weighted.scalar_type()))
+        .to(out_dtype);
   }
   const at::Tensor r = rows.contiguous(), p = pos.contiguous();
   const at::ScalarType acc = acc_type(rows.scalar_type());
-  const bool round_product = weights.defined() && at::promote_types(rows.scalar_type(), weights.scalar_type()) ==
-                                                      rows.scalar_type();
+  const bool round_product =
+      weights.defined() && at::promote_types(rows.scalar_type(), weights.scalar_type()) == rows.scalar_type();
   const at::Tensor w = weights.defined() ? weights.to(acc).contiguous() : at::Tensor();
-  // The kernel writes the rows' dtype or the accumulation type; any other out_dtype is one cast of the latter.
+  // The kernel writes the rows' dtype or the accumulation type; any other out_dtype is one cast of the
+  // latter.
   const at::ScalarType written = out_dtype == rows.scalar_type() ? out_dtype : acc;
   at::Tensor out = at::empty({T, H}, rows.options().dtype(written));
   const auto& kern = cpu::kernel_table();
@@ -136,12 +145,12 @@ at::Tensor combine(const at::Tensor& rows, const at::Tensor& pos, int64_t T, int
   return written == out_dtype ? out : out.to(out_dtype);
 }
 
-// The backward of the weighted combine, per row j of the expert order (token order[j] / k): the gradient of the
-// weighted row, d_h2[j] = round(grad[token] * w[j]), and of the weight, d_w[j] = <grad[token], h2[j]> summed in
-// fp32 (the CPU kernel moe_combine_bwd, in vector lanes: a fixed order). One pass over grad's rows in place of a
-// gathered copy, two widened copies, a product and a sum.
-std::tuple<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, const at::Tensor& h2, const at::Tensor& w,
-                                                    const at::Tensor& order, int64_t k) {
+// The backward of the weighted combine, per row j of the expert order (token order[j] / k): the gradient of
+// the weighted row, d_h2[j] = round(grad[token] * w[j]), and of the weight, d_w[j] = <grad[token], h2[j]>
+// summed in fp32 (the CPU kernel moe_combine_bwd, in vector lanes: a fixed order). One pass over grad's rows
+// in place of a gathered copy, two widened copies, a product and a sum.
+std::tuple<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, const at::Tensor& h2,
+                                                    const at::Tensor& w, const at::Tensor& order, int64_t k) {
   const int64_t S = h2.size(0), H = h2.size(1);
   if (!fusable(h2, w)) {
     const at::Tensor g = grad.index_select(0, order.div(k, "floor"));
@@ -156,37 +165,37 @@ std::tuple<at::Tensor, at::Tensor> combine_backward(const at::Tensor& grad, cons
   const cpu::DType dt = cpu_dtype(hc.scalar_type());
   const int64_t* ord = oc.const_data_ptr<int64_t>();
   at::parallel_for(0, S, 16, [&](int64_t j0, int64_t j1) {
-    kern.moe_combine_bwd(dt, g.const_data_ptr(), hc.const_data_ptr(), wc.const_data_ptr(), ord, k, d_h2.data_ptr(),
-                         d_w.data_ptr(), j0, j1, H);
+    kern.moe_combine_bwd(dt, g.const_data_ptr(), hc.const_data_ptr(), wc.const_data_ptr(), ord, k,
+                         d_h2.data_ptr(), d_w.data_ptr(), j0, j1, H);
   });
   return {d_h2, d_w.to(w.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
-    const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& gate_up,
-    const at::Tensor& down) {
+    const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& gate_up, const at::Tensor& down) {
   const Shapes s = check_experts(hidden, topk_ids, topk_weights, gate_up, down);
   auto [order, offs] = sort_by_expert(topk_ids, s.E);
   const at::Tensor token = order.div(s.k, "floor");
-  const at::Tensor a = gather_rows(hidden, token);                             // [S, H]
-  const at::Tensor h1 = grouped_mm_cpu(a, gate_up.transpose(1, 2), offs);     // [S, 2I]
-  const at::Tensor act = kernmap::swiglu(h1);                                  // [S, I]
-  const at::Tensor h2 = grouped_mm_cpu(act, down.transpose(1, 2), offs);      // [S, H]
+  const at::Tensor a = gather_rows(hidden, token);                         // [S, H]
+  const at::Tensor h1 = grouped_mm_cpu(a, gate_up.transpose(1, 2), offs);  // [S, 2I]
+  const at::Tensor act = kernmap::swiglu(h1);                              // [S, I]
+  const at::Tensor h2 = grouped_mm_cpu(act, down.transpose(1, 2), offs);   // [S, H]
   const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
   const at::Tensor out = combine(h2, inverse_permutation(order), s.T, s.k, hidden.scalar_type(), w);
   return {out, order, offs, h1, h2};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
-    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& gate_up,
-    const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs, const at::Tensor& h1,
-    const at::Tensor& h2) {
+    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& topk_weights,
+    const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs,
+    const at::Tensor& h1, const at::Tensor& h2) {
   const int64_t T = hidden.size(0), k = topk_weights.size(1);
   TORCH_CHECK(grad.dim() == 2 && grad.size(0) == T && grad.size(1) == hidden.size(1),
               "kernmap.experts: grad must have the shape of hidden ", hidden.sizes(), ", got ", grad.sizes());
   TORCH_CHECK(h2.dim() == 2 && h2.size(0) == T * k && h2.size(1) == hidden.size(1) && order.numel() == T * k,
-              "kernmap.experts: h2 must be [T * k, H] = [", T * k, ", ", hidden.size(1), "] and order [", T * k,
-              "], got ", h2.sizes(), " and ", order.sizes());
+              "kernmap.experts: h2 must be [T * k, H] = [", T * k, ", ", hidden.size(1), "] and order [",
+              T * k, "], got ", h2.sizes(), " and ", order.sizes());
   const at::Tensor pos = inverse_permutation(order);  // checks order before the kernels read rows with it
   const at::Tensor token = order.div(k, "floor");
   const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
@@ -195,20 +204,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   at::Tensor d_topk = at::empty({T * k}, topk_weights.options());
   d_topk.index_copy_(0, order, dw_sorted);
   const at::Tensor act = kernmap::swiglu(h1);
-  const at::Tensor d_act = grouped_mm_cpu(d_h2, down, offs);             // [S, I]
-  const at::Tensor d_down = grouped_weight_grad_cpu(d_h2, act, offs);    // [E, H, I]
-  static auto swiglu_bwd = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kernmap::swiglu_backward");
-  const at::Tensor d_h1 = swiglu_bwd.call(d_act, h1);                    // [S, 2I]
-  const at::Tensor d_a = grouped_mm_cpu(d_h1, gate_up, offs);            // [S, H]
+  const at::Tensor d_act = grouped_mm_cpu(d_h2, down, offs);           // [S, I]
+  const at::Tensor d_down = grouped_weight_grad_cpu(d_h2, act, offs);  // [E, H, I]
+  static auto swiglu_bwd =
+      op_handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kernmap::swiglu_backward");
+  const at::Tensor d_h1 = swiglu_bwd.call(d_act, h1);          // [S, 2I]
+  const at::Tensor d_a = grouped_mm_cpu(d_h1, gate_up, offs);  // [S, H]
   const at::Tensor a = gather_rows(hidden, token);
-  const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1, a, offs);   // [E, 2I, H]
+  const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1, a, offs);  // [E, 2I, H]
   const at::Tensor d_hidden = combine(d_a, pos, T, k, hidden.scalar_type());
   return {d_hidden, d_topk.view(topk_weights.sizes()), d_gate_up, d_down};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(
-    const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& gate_up,
-    const at::Tensor& down) {
+    const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& gate_up, const at::Tensor& down) {
   const Shapes s = check_experts(hidden, topk_ids, topk_weights, gate_up, down);
   const int64_t S = s.T * s.k;
   return {at::empty({s.T, s.H}, hidden.options()), at::empty({S}, topk_ids.options().dtype(at::kLong)),
@@ -217,10 +227,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_m
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_meta(
-    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& topk_weights, const at::Tensor& gate_up,
-    const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs, const at::Tensor& h1,
-    const at::Tensor& h2) {
-  return {at::empty(hidden.sizes(), hidden.options()), at::empty(topk_weights.sizes(), topk_weights.options()),
+    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& topk_weights,
+    const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs,
+    const at::Tensor& h1, const at::Tensor& h2) {
+  return {at::empty(hidden.sizes(), hidden.options()),
+          at::empty(topk_weights.sizes(), topk_weights.options()),
           at::empty(gate_up.sizes(), gate_up.options()), at::empty(down.sizes(), down.options())};
 }
 
@@ -239,11 +250,11 @@ using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 class ExpertsFunction : public torch::autograd::Function<ExpertsFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                            const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& gate_up,
-                            const at::Tensor& down) {
+                            const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            const at::Tensor& gate_up, const at::Tensor& down) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = op_handle<Tensors5(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                        const at::Tensor&)>("kernmap::experts_forward");
+    static auto op = op_handle<Tensors5(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        const at::Tensor&, const at::Tensor&)>("kernmap::experts_forward");
     auto [out, order, offs, h1, h2] = op.call(hidden, topk_ids, topk_weights, gate_up, down);
     ctx->save_for_backward({hidden, topk_weights, gate_up, down, order, offs, h1, h2});
     return out;
@@ -260,8 +271,9 @@ class ExpertsFunction : public torch::autograd::Function<ExpertsFunction> {
   }
 };
 
-at::Tensor experts_autograd(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                            const at::Tensor& gate_up, const at::Tensor& down) {
+at::Tensor experts_autograd(const at::Tensor& hidden, const at::Tensor& topk_ids,
+                            const at::Tensor& topk_weights, const at::Tensor& gate_up,
+                            const at::Tensor& down) {
   return ExpertsFunction::apply(hidden, topk_ids, topk_weights, gate_up, down);
 }
 
@@ -277,7 +289,9 @@ TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
   m.impl("experts_forward", &forward_meta);
   m.impl("experts_backward", &backward_meta);
 }
-TORCH_LIBRARY_IMPL(kernmap, Autograd, m) { m.impl("experts", &experts_autograd); }
+TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
+  m.impl("experts", &experts_autograd);
+}
 
 }  // namespace kernmap::ops
 

@@ -11,8 +11,8 @@
 #include <atomic>
 #include <vector>
 
-#include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "ops/memory.h"
 
@@ -53,8 +53,8 @@ std::vector<int64_t> group_starts(const at::Tensor& offs) {
   return starts;
 }
 
-// Tasks covering rows [starts[e], starts[e+1]) x columns [0, cols) of every group; rows are tiled unless a task
-// must see all of its group's rows (a reduction over them).
+// Tasks covering rows [starts[e], starts[e+1]) x columns [0, cols) of every group; rows are tiled unless a
+// task must see all of its group's rows (a reduction over them).
 std::vector<Task> tile(const std::vector<int64_t>& starts, int64_t cols, bool tile_rows) {
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < starts.size(); ++e) {
@@ -63,13 +63,15 @@ std::vector<Task> tile(const std::vector<int64_t>& starts, int64_t cols, bool ti
     const int64_t row_step = tile_rows ? kRowTile : end - s;
     for (int64_t r = s; r < end; r += row_step)
       for (int64_t c = 0; c < cols; c += kColTile)
-        tasks.push_back({static_cast<int64_t>(e), r, std::min(r + row_step, end), c, std::min(c + kColTile, cols)});
+        tasks.push_back(
+            {static_cast<int64_t>(e), r, std::min(r + row_step, end), c, std::min(c + kColTile, cols)});
   }
   return tasks;
 }
 
-// Tasks for one BLAS call per group and column tile: all of a group's rows, columns in tiles of kBlasCols (fixed,
-// so the calls and their results do not depend on the thread count; each call packs its small operand once).
+// Tasks for one BLAS call per group and column tile: all of a group's rows, columns in tiles of kBlasCols
+// (fixed, so the calls and their results do not depend on the thread count; each call packs its small operand
+// once).
 constexpr int64_t kBlasCols = 512;
 std::vector<Task> blas_tiles(const std::vector<int64_t>& starts, int64_t cols) {
   std::vector<Task> tasks;
@@ -81,8 +83,8 @@ std::vector<Task> blas_tiles(const std::vector<int64_t>& starts, int64_t cols) {
   return tasks;
 }
 
-// The backward's outer products keep a task's partial sums (rows x columns, fp32) in scratch: this many elements
-// (256 KiB) fit the level-2 cache next to the panel of the weight being streamed.
+// The backward's outer products keep a task's partial sums (rows x columns, fp32) in scratch: this many
+// elements (256 KiB) fit the level-2 cache next to the panel of the weight being streamed.
 constexpr int64_t kScratchElems = 64 * 1024;
 // Columns of the outer-product kernels' register blocks.
 constexpr int64_t kBcastCols = 64;
@@ -100,20 +102,23 @@ std::vector<Task> bcast_tiles(const std::vector<int64_t>& starts, int64_t N) {
     const int64_t col_step = std::max(kBcastCols, kScratchElems / row_step / kBcastCols * kBcastCols);
     for (int64_t r = s; r < s + rows; r += row_step)
       for (int64_t c = 0; c < N; c += col_step)
-        tasks.push_back({static_cast<int64_t>(e), r, std::min(r + row_step, s + rows), c, std::min(c + col_step, N)});
+        tasks.push_back(
+            {static_cast<int64_t>(e), r, std::min(r + row_step, s + rows), c, std::min(c + col_step, N)});
   }
   return tasks;
 }
 
-// Tasks of the weight gradients out[e] = x_e^T y_e ([M, N] per group): row tiles of each group's block over all
-// N columns; r0, r1 are rows of out[e]. A group whose reduction is long (its rows of y over kShortReduction
-// bytes: the kernel keeps partial sums of rows x N in scratch) takes tiles of rows x N <= kScratchElems; a short
-// one, computed in one pass, takes kShortReductionRows rows a task: each task packs its rows of x^T and prepares
-// each panel of y once for all of them (one thread, E128 H2048 I768 T256, gate_up: fp32 166 -> 129 ms, bf16 77
+// Tasks of the weight gradients out[e] = x_e^T y_e ([M, N] per group): row tiles of each group's block over
+// all N columns; r0, r1 are rows of out[e]. A group whose reduction is long (its rows of y over
+// kShortReduction bytes: the kernel keeps partial sums of rows x N in scratch) takes tiles of rows x N <=
+// kScratchElems; a short one, computed in one pass, takes kShortReductionRows rows a task: each task packs
+// its rows of x^T and prepares each panel of y once for all of them (one thread, E128 H2048 I768 T256,
+// gate_up: fp32 166 -> 129 ms, bf16 77
 // -> 66 ms against 32-row tiles; whole 1536-row blocks about the same as 512).
 constexpr int64_t kShortReduction = 256 * 1024;
 constexpr int64_t kShortReductionRows = 512;
-std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t M, int64_t N, int64_t elem_size) {
+std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t M, int64_t N,
+                                    int64_t elem_size) {
   const int64_t long_step = std::max<int64_t>(4, kScratchElems / std::max<int64_t>(N, 1) / 4 * 4);
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < starts.size(); ++e) {
@@ -125,12 +130,12 @@ std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t 
   return tasks;
 }
 
-// Runs the tasks on the intra-op threads: each thread takes the next task not yet taken, largest first by cost
-// (default rows x columns) — uneven groups and the kernels' step-wise costs made any static split leave one
-// thread waiting (measured: bf16 Experts forward+backward at T = 256, 221-223 ms static, 218-219 ms dynamic).
-// Each task writes only its own outputs, so who runs it does not change any result. One chunk per thread even
-// when there are fewer tasks, so the tasks always run inside the parallel region: a BLAS call made there is
-// single-threaded, the same as on one thread (bit-identical results).
+// Runs the tasks on the intra-op threads: each thread takes the next task not yet taken, largest first by
+// cost (default rows x columns) — uneven groups and the kernels' step-wise costs made any static split leave
+// one thread waiting (measured: bf16 Experts forward+backward at T = 256, 221-223 ms static, 218-219 ms
+// dynamic). Each task writes only its own outputs, so who runs it does not change any result. One chunk per
+// thread even when there are fewer tasks, so the tasks always run inside the parallel region: a BLAS call
+// made there is single-threaded, the same as on one thread (bit-identical results).
 void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Task&)>& f,
                const std::function<int64_t(const Task&)>& cost = {}) {
   const int64_t n = static_cast<int64_t>(tasks.size());
@@ -153,8 +158,9 @@ void check_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   check_same_dtype(kOp, "a", a, "b", b);
   check_same_device(kOp, "a", a, "b", b);
   TORCH_CHECK(a.dim() == 2, "kernmap.grouped_mm: a must be 2-D [T, K], got ", a.sizes());
-  TORCH_CHECK(b.dim() == 3 && b.size(1) == a.size(1), "kernmap.grouped_mm: b must be 3-D [E, K, N] with K = ",
-              a.size(1), " (a's columns), got ", b.sizes());
+  TORCH_CHECK(b.dim() == 3 && b.size(1) == a.size(1),
+              "kernmap.grouped_mm: b must be 3-D [E, K, N] with K = ", a.size(1), " (a's columns), got ",
+              b.sizes());
   check_offs(kOp, offs, b.size(0), a.size(0), a);
 }
 
@@ -168,8 +174,8 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_backward_impl(const at::Tensor& gr
   check_grouped_mm(a, b, offs);
   check_same_dtype("grouped_mm_backward", "a", a, "grad_out", grad);
   TORCH_CHECK(grad.dim() == 2 && grad.size(0) == a.size(0) && grad.size(1) == b.size(2),
-              "kernmap.grouped_mm_backward: grad_out must have shape [", a.size(0), ", ", b.size(2), "], got ",
-              grad.sizes());
+              "kernmap.grouped_mm_backward: grad_out must have shape [", a.size(0), ", ", b.size(2),
+              "], got ", grad.sizes());
   // grad_a = grad @ b[e]^T: b^T is [E, N, K], itself a grouped operand.
   at::Tensor grad_a = grouped_mm_cpu(grad, b.transpose(1, 2), offs);
   // grad_b[e] = a_e^T @ grad_e, produced in b's memory layout so the parameter's gradient needs no copy.
@@ -190,16 +196,16 @@ class GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
                             const at::Tensor& offs) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-        "kernmap::grouped_mm");
+    static auto op =
+        op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("kernmap::grouped_mm");
     ctx->save_for_backward({a, b, offs});
     return op.call(a, b, offs);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                  const at::Tensor&, const at::Tensor&)>(
-        "kernmap::grouped_mm_backward");
+    static auto op =
+        op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&)>("kernmap::grouped_mm_backward");
     const auto saved = ctx->get_saved_variables();
     auto [ga, gb] = op.call(grads[0], saved[0], saved[1], saved[2]);
     return {ga, gb, at::Tensor()};
@@ -218,7 +224,8 @@ at::Tensor grouped_mm_checked(const at::Tensor& a, const at::Tensor& b, const at
 }  // namespace
 
 void check_offs(const char* op, const at::Tensor& offs, int64_t E, int64_t T, const at::Tensor& a) {
-  TORCH_CHECK(offs.scalar_type() == at::kInt, "kernmap.", op, ": offs must be int32, got ", offs.scalar_type());
+  TORCH_CHECK(offs.scalar_type() == at::kInt, "kernmap.", op, ": offs must be int32, got ",
+              offs.scalar_type());
   TORCH_CHECK(offs.dim() == 1 && offs.size(0) == E, "kernmap.", op, ": offs must have shape [", E,
               "] (one cumulative end per group), got ", offs.sizes());
   TORCH_CHECK(offs.device() == a.device(), "kernmap.", op, ": offs must be on the device of a (", a.device(),
@@ -228,8 +235,10 @@ void check_offs(const char* op, const at::Tensor& offs, int64_t E, int64_t T, co
   const int32_t* p = o.const_data_ptr<int32_t>();
   int64_t previous = 0;
   for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(p[e] >= previous, "kernmap.", op, ": offs must be non-decreasing and >= 0, got offs[", e, "] = ", p[e],
-                e == 0 ? std::string("") : " after offs[" + std::to_string(e - 1) + "] = " + std::to_string(previous));
+    TORCH_CHECK(p[e] >= previous, "kernmap.", op, ": offs must be non-decreasing and >= 0, got offs[", e,
+                "] = ", p[e],
+                e == 0 ? std::string("")
+                       : " after offs[" + std::to_string(e - 1) + "] = " + std::to_string(previous));
     previous = p[e];
   }
   TORCH_CHECK(E == 0 ? T == 0 : previous == T, "kernmap.", op, ": offs[-1] must equal the row count T = ", T,
@@ -238,20 +247,26 @@ void check_offs(const char* op, const at::Tensor& offs, int64_t E, int64_t T, co
 
 // The kernels read a row-major operand in place when its last dimension is contiguous; other layouts (and
 // float64, which only the gradient checks use) go through one BLAS product per tile.
-bool kernel_dtype(const at::Tensor& t) { return t.scalar_type() != at::kDouble; }
+bool kernel_dtype(const at::Tensor& t) {
+  return t.scalar_type() != at::kDouble;
+}
 
 // Backward products of fp32 and bf16 in layouts the kernels do not read: one BLAS call per group and column
 // tile of kBlasCols (fp16, without a fast CPU BLAS, and fp64: tiles of the forward's size).
-bool backward_blas(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+bool backward_blas(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
 
-// Where the backward's operands suit the outer-product kernels (row-major grad, N-contiguous weight rows), they
-// take every fp32 and fp16 group and the bf16 groups under kBf16BlasRows rows; larger bf16 groups go to BLAS,
-// one call per group and kBlasCols columns. Measured on one thread, warm memory, grad_a + weight gradient of
-// gate_up at H2048 I768 (ms, kernels vs BLAS): 16 rows a group fp32 185+155 vs 316+250, bf16 112+136 vs
-// 164+137; 128 rows fp32 1037+1138 vs 1190+1173, bf16 719+807 vs 562+548; E60 I1408 68 rows bf16 339+396 vs
-// 295+271 (down_proj's products: the kernels win at every size).
+// Where the backward's operands suit the outer-product kernels (row-major grad, N-contiguous weight rows),
+// they take every fp32 and fp16 group and the bf16 groups under kBf16BlasRows rows; larger bf16 groups go to
+// BLAS, one call per group and kBlasCols columns. Measured on one thread, warm memory, grad_a + weight
+// gradient of gate_up at H2048 I768 (ms, kernels vs BLAS): 16 rows a group fp32 185+155 vs 316+250, bf16
+// 112+136 vs 164+137; 128 rows fp32 1037+1138 vs 1190+1173, bf16 719+807 vs 562+548; E60 I1408 68 rows bf16
+// 339+396 vs 295+271 (down_proj's products: the kernels win at every size).
 constexpr int64_t kBf16BlasRows = 64;
-bool blas_group(at::ScalarType t, int64_t rows) { return t == at::kBFloat16 && rows >= kBf16BlasRows; }
+bool blas_group(at::ScalarType t, int64_t rows) {
+  return t == at::kBFloat16 && rows >= kBf16BlasRows;
+}
 
 // out[rows, cols of t] = a[rows of t] @ b[t.group][:, cols of t], one BLAS call.
 void mm_task(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const Task& t) {
@@ -281,7 +296,8 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
     const std::vector<int64_t> starts = group_starts(offs);
     const int64_t E = static_cast<int64_t>(starts.size()) - 1;
     int64_t small = 0;
-    for (int64_t e = 0; e < E; ++e) small += starts[e + 1] > starts[e] && starts[e + 1] - starts[e] < kBlasRows;
+    for (int64_t e = 0; e < E; ++e)
+      small += starts[e + 1] > starts[e] && starts[e + 1] - starts[e] < kBlasRows;
     const int64_t col_tile = nt_col_tile(N, small, at::get_num_threads());
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = starts[e], end = starts[e + 1];
@@ -298,12 +314,13 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
         return;
       }
       k.gemm_nt(dt, t.r1 - t.r0, t.c1 - t.c0, K, pa + t.r0 * a.stride(0) * es, a.stride(0),
-                pb + (t.group * b.stride(0) + t.c0 * b.stride(2)) * es, b.stride(2), po + (t.r0 * N + t.c0) * es, N);
+                pb + (t.group * b.stride(0) + t.c0 * b.stride(2)) * es, b.stride(2),
+                po + (t.r0 * N + t.c0) * es, N);
     });
   } else if (kernel_dtype(a) && a_rows && b.stride(2) == 1) {
-    // b[e] is [K, N] with N-contiguous rows (the backward's grad @ W): outer products, one task per row tile x
-    // column tile that reads its panel of b[e] once while the kernel keeps the tile's partial sums in scratch
-    // (large bf16 groups: BLAS, see blas_group).
+    // b[e] is [K, N] with N-contiguous rows (the backward's grad @ W): outer products, one task per row tile
+    // x column tile that reads its panel of b[e] once while the kernel keeps the tile's partial sums in
+    // scratch (large bf16 groups: BLAS, see blas_group).
     std::vector<Task> bw_tasks;
     const std::vector<int64_t> starts = group_starts(offs);
     for (const Task& t : bcast_tiles(starts, N))
@@ -342,10 +359,10 @@ at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, con
     const char* py = static_cast<const char*>(y.const_data_ptr());
     char* po = static_cast<char*>(out.data_ptr());
     // Each task owns rows [r0, r1) of one group's [M, N] block (all columns: the output is written front to
-    // back) and sums over all of the group's rows in order, so the result does not depend on the thread count.
-    // An empty group's block is zeros (a reduction of no rows). Nothing reads the gradient soon and it is as
-    // large as the weights: streaming stores. Large bf16 groups: one BLAS call per kBlasCols columns (then r0,
-    // r1 are the group's rows), see blas_group.
+    // back) and sums over all of the group's rows in order, so the result does not depend on the thread
+    // count. An empty group's block is zeros (a reduction of no rows). Nothing reads the gradient soon and it
+    // is as large as the weights: streaming stores. Large bf16 groups: one BLAS call per kBlasCols columns
+    // (then r0, r1 are the group's rows), see blas_group.
     std::vector<Task> tasks;
     for (const Task& t : weight_grad_tiles(starts, M, N, es))
       if (!blas_group(x.scalar_type(), starts[t.group + 1] - starts[t.group])) tasks.push_back(t);
@@ -364,8 +381,9 @@ at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, con
           }
           const int64_t s = starts[t.group], rows = starts[t.group + 1] - s;
           // out[e][i, n] = sum_r x[r, i] * y[r, n]: A(i, r) = x[r, i].
-          k.gemm_bcast(dt, t.r1 - t.r0, N, rows, px + (s * x.stride(0) + t.r0 * x.stride(1)) * es, x.stride(1),
-                       x.stride(0), py + s * y.stride(0) * es, y.stride(0), po + (t.group * M + t.r0) * N * es, N,
+          k.gemm_bcast(dt, t.r1 - t.r0, N, rows, px + (s * x.stride(0) + t.r0 * x.stride(1)) * es,
+                       x.stride(1), x.stride(0), py + s * y.stride(0) * es, y.stride(0),
+                       po + (t.group * M + t.r0) * N * es, N,
                        /*stream=*/true);
         },
         // Writing the block costs about as much as 16 more rows of the reduction.
@@ -377,12 +395,13 @@ at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, con
   }
   for (int64_t e = 0; e < E; ++e)
     if (starts[e] == starts[e + 1]) out.select(0, e).zero_();
-  // Other layouts (fp32 and bf16: tiles of kBlasCols columns) and float64: one BLAS product per group x column
-  // tile.
-  run_tasks(backward_blas(x) ? blas_tiles(starts, N) : tile(starts, N, /*tile_rows=*/false), [&](const Task& t) {
-    at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
-    at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
-  });
+  // Other layouts (fp32 and bf16: tiles of kBlasCols columns) and float64: one BLAS product per group x
+  // column tile.
+  run_tasks(backward_blas(x) ? blas_tiles(starts, N) : tile(starts, N, /*tile_rows=*/false),
+            [&](const Task& t) {
+              at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
+              at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
+            });
   return out;
 }
 
@@ -394,14 +413,16 @@ TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
   m.impl("grouped_mm", &grouped_mm_meta);
   m.impl("grouped_mm_backward", &grouped_mm_backward_meta);
 }
-TORCH_LIBRARY_IMPL(kernmap, Autograd, m) { m.impl("grouped_mm", &grouped_mm_autograd); }
+TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
+  m.impl("grouped_mm", &grouped_mm_autograd);
+}
 
 }  // namespace kernmap::ops
 
 namespace kernmap {
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
-  static auto op =
-      ops::op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("kernmap::grouped_mm");
+  static auto op = ops::op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+      "kernmap::grouped_mm");
   return op.call(a, b, offs);
 }
 }  // namespace kernmap

@@ -6,7 +6,9 @@ TORCH_LIBRARY(kernmap, m) {
   // RMSNorm (DESIGN §3). rms_norm_forward also returns rstd (fp32, fp64 for fp64 x) for the backward.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)");
-  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd) -> (Tensor grad_x, Tensor grad_weight)");
+  m.def(
+      "rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd) -> (Tensor grad_x, Tensor "
+      "grad_weight)");
   // SiLU, SiLU-and-mul (silu(gate) * up) and its packed form swiglu(gate_up), gate first.
   m.def("silu(Tensor x) -> Tensor");
   m.def("silu_backward(Tensor grad_y, Tensor x) -> Tensor");
@@ -14,14 +16,23 @@ TORCH_LIBRARY(kernmap, m) {
   m.def("silu_and_mul_backward(Tensor grad_y, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor grad_y, Tensor gate_up) -> Tensor");
-  // Grouped matrix product (2D x 3D, torch._grouped_mm semantics): rows offs[e-1]..offs[e] of a multiply b[e].
-  // offs: int32 [E], non-decreasing cumulative row ends, offs[E-1] == T. b may be a transposed view.
+  // Grouped matrix product (2D x 3D, torch._grouped_mm semantics): rows offs[e-1]..offs[e] of a multiply
+  // b[e]. offs: int32 [E], non-decreasing cumulative row ends, offs[E-1] == T. b may be a transposed view.
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
-  m.def("grouped_mm_backward(Tensor grad_out, Tensor a, Tensor b, Tensor offs) -> (Tensor grad_a, Tensor grad_b)");
+  m.def(
+      "grouped_mm_backward(Tensor grad_out, Tensor a, Tensor b, Tensor offs) -> (Tensor grad_a, Tensor "
+      "grad_b)");
   // MoE experts, transformers 5.x layout: gate_up_proj [E, 2I, H] (gate first), down_proj [E, H, I].
-  m.def("experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) -> Tensor");
-  m.def("experts_forward(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) -> (Tensor out, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out)");
-  m.def("experts_backward(Tensor grad_out, Tensor hidden, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out) -> (Tensor grad_hidden, Tensor grad_topk_weights, Tensor grad_gate_up_proj, Tensor grad_down_proj)");
+  m.def(
+      "experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) "
+      "-> Tensor");
+  m.def(
+      "experts_forward(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor "
+      "down_proj) -> (Tensor out, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out)");
+  m.def(
+      "experts_backward(Tensor grad_out, Tensor hidden, Tensor topk_weights, Tensor gate_up_proj, Tensor "
+      "down_proj, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out) -> (Tensor grad_hidden, "
+      "Tensor grad_topk_weights, Tensor grad_gate_up_proj, Tensor grad_down_proj)");
   // The cache of large CPU buffers (ops/memory.h): bytes held, and release (returns the bytes released).
   m.def("cached_memory_bytes() -> int");
   m.def("release_cached_memory() -> int");
@@ -33,5 +44,7 @@ TORCH_LIBRARY(kernmap, m) {
   m.def("reference_silu_and_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("reference_swiglu(Tensor gate_up) -> Tensor");
   m.def("reference_grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
-  m.def("reference_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) -> Tensor");
+  m.def(
+      "reference_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor "
+      "down_proj) -> Tensor");
 }

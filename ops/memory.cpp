@@ -1,7 +1,7 @@
-// The large-block cache behind empty_large: an at::Allocator whose blocks are mmap'd (2 MiB aligned, huge-page
-// hint), returned to a free list when their tensor dies (taken again for an equal size), the least recently
-// freed unmapped when the cap is reached, all on release. Thread-safe (one mutex; allocations are few and
-// large).
+// The large-block cache behind empty_large: an at::Allocator whose blocks are mmap'd (2 MiB aligned,
+// huge-page hint), returned to a free list when their tensor dies (taken again for an equal size), the least
+// recently freed unmapped when the cap is reached, all on release. Thread-safe (one mutex; allocations are
+// few and large).
 #include "ops/memory.h"
 
 #include <ATen/ATen.h>
@@ -21,7 +21,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "include/kernmap/memory.h"
+#include "kernmap/memory.h"
 
 namespace kernmap::ops {
 namespace {
@@ -39,8 +39,8 @@ size_t cache_cap() {
   if (const char* v = std::getenv("KERNMAP_LARGE_CACHE_MB")) {
     char* end = nullptr;
     const unsigned long long mb = std::strtoull(v, &end, 10);
-    TORCH_CHECK(end != v && *end == '\0', "kernmap: KERNMAP_LARGE_CACHE_MB must be a whole number of MiB, got '", v,
-                "'");
+    TORCH_CHECK(end != v && *end == '\0',
+                "kernmap: KERNMAP_LARGE_CACHE_MB must be a whole number of MiB, got '", v, "'");
     return static_cast<size_t>(mb) << 20;
   }
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
@@ -112,9 +112,9 @@ class LargeBlockCache final : public c10::Allocator {
     return nullptr;
   }
 
-  // Keeps the freed block, giving back the least recently freed ones when the cap would be exceeded: the sizes
-  // in use now are the ones the next step asks for (blocks of sizes no longer used, say of an earlier model or
-  // dtype, would otherwise hold the cap forever and every new block would be mapped afresh).
+  // Keeps the freed block, giving back the least recently freed ones when the cap would be exceeded: the
+  // sizes in use now are the ones the next step asks for (blocks of sizes no longer used, say of an earlier
+  // model or dtype, would otherwise hold the cap forever and every new block would be mapped afresh).
   void put(Block* b) {
     std::vector<Block*> out;
     {
@@ -141,7 +141,8 @@ class LargeBlockCache final : public c10::Allocator {
       // Cached blocks of other sizes may be what stands in the way: give them back and try once more.
       release();
       map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      TORCH_CHECK_WITH(OutOfMemoryError, map != MAP_FAILED, "kernmap: out of memory allocating ", bytes, " bytes for a large CPU buffer");
+      TORCH_CHECK_WITH(OutOfMemoryError, map != MAP_FAILED, "kernmap: out of memory allocating ", bytes,
+                       " bytes for a large CPU buffer");
     }
     const auto start = reinterpret_cast<uintptr_t>(map);
     void* data = reinterpret_cast<void*>((start + kAlign - 1) & ~(uintptr_t(kAlign) - 1));
@@ -164,9 +165,15 @@ class LargeBlockCache final : public c10::Allocator {
   size_t cached_ = 0;
 };
 
-int64_t cached_bytes_op() { return kernmap::cached_memory_bytes(); }
-int64_t release_op() { return kernmap::release_cached_memory(); }
-bool advise_op(const at::Tensor& t) { return kernmap::advise_huge_pages(t); }
+int64_t cached_bytes_op() {
+  return kernmap::cached_memory_bytes();
+}
+int64_t release_op() {
+  return kernmap::release_cached_memory();
+}
+bool advise_op(const at::Tensor& t) {
+  return kernmap::advise_huge_pages(t);
+}
 
 #if !defined(MADV_COLLAPSE)
 #define MADV_COLLAPSE 25  // Linux 6.1; older kernels answer EINVAL
@@ -185,7 +192,8 @@ at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) 
 }
 
 bool advise_huge_pages(const at::Tensor& t) {
-  if (!t.defined() || !t.device().is_cpu() || !t.has_storage() || env_is_zero("KERNMAP_HUGE_PAGES")) return false;
+  if (!t.defined() || !t.device().is_cpu() || !t.has_storage() || env_is_zero("KERNMAP_HUGE_PAGES"))
+    return false;
   const c10::Storage& st = t.storage();
   const auto* base = static_cast<const char*>(st.data());
   if (base == nullptr || st.nbytes() < kMinBytes) return false;
@@ -211,8 +219,12 @@ bool advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-int64_t cached_large_bytes() { return LargeBlockCache::get().cached(); }
-int64_t release_large_cache() { return LargeBlockCache::get().release(); }
+int64_t cached_large_bytes() {
+  return LargeBlockCache::get().cached();
+}
+int64_t release_large_cache() {
+  return LargeBlockCache::get().release();
+}
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("cached_memory_bytes", &cached_bytes_op);
@@ -223,7 +235,13 @@ TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
 }  // namespace kernmap::ops
 
 namespace kernmap {
-int64_t cached_memory_bytes() { return ops::cached_large_bytes(); }
-int64_t release_cached_memory() { return ops::release_large_cache(); }
-bool advise_huge_pages(const at::Tensor& t) { return ops::advise_huge_pages(t); }
+int64_t cached_memory_bytes() {
+  return ops::cached_large_bytes();
+}
+int64_t release_cached_memory() {
+  return ops::release_large_cache();
+}
+bool advise_huge_pages(const at::Tensor& t) {
+  return ops::advise_huge_pages(t);
+}
 }  // namespace kernmap

@@ -6,14 +6,14 @@
 
 #include <vector>
 
-#include "include/kernmap/ops.h"
+#include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "ops/grouped_mm.h"
 
 namespace kernmap::reference {
 
-// Qwen2RMSNorm.forward. float64 input is kept in float64 (transformers casts it to float32), so float64 checks
-// measure the kernels rather than the downcast.
+// Qwen2RMSNorm.forward. float64 input is kept in float64 (transformers casts it to float32), so float64
+// checks measure the kernels rather than the downcast.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::ScalarType compute = at::promote_types(at::kFloat, x.scalar_type());
   at::Tensor h = x.to(compute);
@@ -23,7 +23,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // ACT2FN["silu"]: torch evaluates it in float32 for reduced-precision inputs and rounds once.
-at::Tensor silu(const at::Tensor& x) { return at::silu(x); }
+at::Tensor silu(const at::Tensor& x) {
+  return at::silu(x);
+}
 
 // The gated MLP's act_fn(gate_proj(x)) * up_proj(x): two roundings in x's dtype.
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
@@ -33,15 +35,17 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
 
 at::Tensor swiglu(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
-              "kernmap.reference_swiglu: gate_up must be [..., 2I] with an even last dimension, got ", gate_up.sizes());
+              "kernmap.reference_swiglu: gate_up must be [..., 2I] with an even last dimension, got ",
+              gate_up.sizes());
   auto halves = gate_up.chunk(2, -1);
   return at::silu(halves[0]) * halves[1];
 }
 
 // transformers.integrations.moe's fallback: one matrix product per group.
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 3, "kernmap.reference_grouped_mm: a must be [T, K] and b [E, K, N], got ",
-              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 3,
+              "kernmap.reference_grouped_mm: a must be [T, K] and b [E, K, N], got ", a.sizes(), " and ",
+              b.sizes());
   ops::check_offs("reference_grouped_mm", offs, b.size(0), a.size(0), a);
   const at::Tensor ends = offs.to(at::kCPU);
   // unbind, not select: its backward stacks the per-group gradients once, as transformers' fallback backward

@@ -6,8 +6,8 @@
 
 #include <cmath>
 
-#include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
 #include "ops/checks.h"
 
 namespace kernmap::ops {
@@ -49,14 +49,14 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& x, const at::Te
   const auto yt = cpu_dtype(out_t);
   const bool stream = stream_outputs(x.numel() * (x.element_size() + y.element_size()));
   at::parallel_for(0, xr.rows, row_grain(xr.cols), [&](int64_t r0, int64_t r1) {
-    k.rms_norm_fwd(xt, yt, xr.data(), xr.stride, w.const_data_ptr(), y.data_ptr(), rstd.data_ptr(), r0, r1, xr.cols,
-                   eps, stream);
+    k.rms_norm_fwd(xt, yt, xr.data(), xr.stride, w.const_data_ptr(), y.data_ptr(), rstd.data_ptr(), r0, r1,
+                   xr.cols, eps, stream);
   });
   return {y, rstd};
 }
 
-// dW is summed in a fixed number of row blocks, then across blocks in order: the result does not depend on the
-// thread count.
+// dW is summed in a fixed number of row blocks, then across blocks in order: the result does not depend on
+// the thread count.
 constexpr int64_t kWeightGradBlocks = 32;
 
 std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_y, const at::Tensor& x,
@@ -64,8 +64,8 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_y, const 
   const at::ScalarType out_t = check_rms_norm(x, weight, 0.0);
   const at::ScalarType acc_t = acc_dtype(x.scalar_type());
   check_same_shape("rms_norm_backward", "x", x, "grad_y", grad_y);
-  TORCH_CHECK(grad_y.scalar_type() == out_t, "kernmap.rms_norm_backward: grad_y must have the output dtype ", out_t,
-              ", got ", grad_y.scalar_type());
+  TORCH_CHECK(grad_y.scalar_type() == out_t, "kernmap.rms_norm_backward: grad_y must have the output dtype ",
+              out_t, ", got ", grad_y.scalar_type());
   check_same_device("rms_norm_backward", "x", x, "grad_y", grad_y);
   TORCH_CHECK(rstd.scalar_type() == acc_t && rstd.sizes() == at::IntArrayRef(row_shape(x)),
               "kernmap.rms_norm_backward: rstd must be ", acc_t, " of shape ", row_shape(x), ", got ",
@@ -87,8 +87,9 @@ std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_y, const 
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = xr.rows * b / blocks, r1 = xr.rows * (b + 1) / blocks;
-      k.rms_norm_bwd(xt, yt, gr.data(), gr.stride, xr.data(), xr.stride, w.const_data_ptr(), rs.const_data_ptr(),
-                     dx.data_ptr(), static_cast<char*>(partial.data_ptr()) + b * H * elem, r0, r1, H, stream);
+      k.rms_norm_bwd(xt, yt, gr.data(), gr.stride, xr.data(), xr.stride, w.const_data_ptr(),
+                     rs.const_data_ptr(), dx.data_ptr(),
+                     static_cast<char*>(partial.data_ptr()) + b * H * elem, r0, r1, H, stream);
     }
   });
   // Columns are independent; the block order within each column is fixed.
@@ -117,21 +118,22 @@ at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double e
 }
 
 auto& forward_op() {
-  static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double)>(
-      "kernmap::rms_norm_forward");
+  static auto op =
+      op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double)>(
+          "kernmap::rms_norm_forward");
   return op;
 }
 auto& backward_op() {
-  static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                const at::Tensor&, const at::Tensor&)>(
-      "kernmap::rms_norm_backward");
+  static auto op =
+      op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&)>("kernmap::rms_norm_backward");
   return op;
 }
 
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            double eps) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [y, rstd] = forward_op().call(x, weight, eps);
     ctx->save_for_backward({x, weight, rstd});
@@ -161,13 +163,16 @@ TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
   m.impl("rms_norm_forward", &forward_meta);
   m.impl("rms_norm_backward", &backward_meta);
 }
-TORCH_LIBRARY_IMPL(kernmap, Autograd, m) { m.impl("rms_norm", &rms_norm_autograd); }
+TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
+  m.impl("rms_norm", &rms_norm_autograd);
+}
 
 }  // namespace kernmap::ops
 
 namespace kernmap {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static auto op = ops::op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("kernmap::rms_norm");
+  static auto op =
+      ops::op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("kernmap::rms_norm");
   return op.call(x, weight, eps);
 }
 }  // namespace kernmap

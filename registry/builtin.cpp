@@ -3,7 +3,7 @@
 #include <optional>
 #include <string>
 
-#include "include/kernmap/registry.h"
+#include "kernmap/registry.h"
 
 namespace kernmap {
 namespace {
@@ -53,8 +53,8 @@ bool register_builtins() {
                                        "one matrix product per group (transformers' fallback loop)");
   grouped.compile_safe = false;
   register_kernel(grouped);
-  KernelDescriptor experts =
-      reference("reference/experts", "Experts", "kernmap::reference_experts", "transformers eager experts loop");
+  KernelDescriptor experts = reference("reference/experts", "Experts", "kernmap::reference_experts",
+                                       "transformers eager experts loop");
   experts.compile_safe = false;
   register_kernel(experts);
   register_kernel(cpu_kernel("kernmap/rms_norm", "RMSNorm", "kernmap::rms_norm",

@@ -70,7 +70,7 @@ json descriptor_to_json(const KernelDescriptor& d) {
 
 // A foreign supports() check: the callback and its user data, called with the inputs as JSON.
 std::function<std::optional<std::string>(const KernelInputs&)> foreign_supports(kernmap_supports_fn fn,
-                                                                               void* user_data) {
+                                                                                void* user_data) {
   return [fn, user_data](const KernelInputs& inputs) -> std::optional<std::string> {
     const std::string text = json{{"dtype", inputs.dtype}, {"shapes", inputs.shapes}}.dump();
     char reason[512] = {0};
@@ -80,8 +80,8 @@ std::function<std::optional<std::string>(const KernelInputs&)> foreign_supports(
   };
 }
 
-// Scopes live on the heap between push and pop; the handle is the address, checked against this table so that a
-// stale or foreign handle is an error, not a crash.
+// Scopes live on the heap between push and pop; the handle is the address, checked against this table so that
+// a stale or foreign handle is an error, not a crash.
 struct ScopeTable {
   std::mutex mutex;
   std::unordered_map<uint64_t, std::unique_ptr<ScopedMapping>> scopes;
@@ -99,7 +99,8 @@ namespace detail {
 Mapping mapping_from_json(const char* function, const json& j) {
   if (!j.is_object()) {
     throw std::invalid_argument(std::string(function) +
-                                ": mapping must be a JSON object {layer: {device: {mode: kernel}}}, got " + j.dump());
+                                ": mapping must be a JSON object {layer: {device: {mode: kernel}}}, got " +
+                                j.dump());
   }
   Mapping mapping;
   for (const auto& [layer, devices] : j.items()) {
@@ -122,8 +123,10 @@ Mapping mapping_from_json(const char* function, const json& j) {
 
 KernelDescriptor descriptor_from_json(const json& j, kernmap_supports_fn supports, void* user_data) {
   if (!j.is_object() || !j.contains("name") || !j.contains("layer")) {
-    throw std::invalid_argument("kernmap_register_kernel: descriptor must be an object with \"name\" and "
-                                "\"layer\", got " + j.dump());
+    throw std::invalid_argument(
+        "kernmap_register_kernel: descriptor must be an object with \"name\" and "
+        "\"layer\", got " +
+        j.dump());
   }
   KernelDescriptor d;
   d.name = j.at("name").get<std::string>();
@@ -146,9 +149,13 @@ using namespace kernmap;  // NOLINT(google-build-using-namespace): the C entry p
 
 extern "C" {
 
-int kernmap_c_api_version(void) { return KERNMAP_C_API_VERSION; }
+int kernmap_c_api_version(void) {
+  return KERNMAP_C_API_VERSION;
+}
 
-void kernmap_free(char* text) { std::free(text); }
+void kernmap_free(char* text) {
+  std::free(text);
+}
 
 int kernmap_register_kernel(const char* descriptor_json, kernmap_supports_fn supports, void* user_data,
                             char** error) {
@@ -160,8 +167,8 @@ int kernmap_register_kernel(const char* descriptor_json, kernmap_supports_fn sup
 
 int kernmap_register_mapping(const char* mapping_json, char** error) {
   return guarded("kernmap_register_mapping", error, [&] {
-    register_mapping(detail::mapping_from_json("register_mapping",
-                                       parse("kernmap_register_mapping", "mapping_json", mapping_json)));
+    register_mapping(detail::mapping_from_json(
+        "register_mapping", parse("kernmap_register_mapping", "mapping_json", mapping_json)));
   });
 }
 
@@ -175,7 +182,8 @@ int kernmap_register_default_mapping(const char* mapping_json, char** error) {
 int kernmap_load_mapping_file(const char* path, char** mapping_json, char** error) {
   return guarded("kernmap_load_mapping_file", error, [&] {
     if (path == nullptr) throw std::invalid_argument("kernmap_load_mapping_file: path is NULL");
-    if (mapping_json == nullptr) throw std::invalid_argument("kernmap_load_mapping_file: mapping_json is NULL");
+    if (mapping_json == nullptr)
+      throw std::invalid_argument("kernmap_load_mapping_file: mapping_json is NULL");
     *mapping_json = copy_string(mapping_to_json(load_mapping_file(path)).dump());
   });
 }
@@ -232,8 +240,8 @@ int kernmap_resolve(const char* request_json, char** decision_json, char** error
     inputs.shapes = field_or(j, "shapes", std::vector<std::vector<int64_t>>{});
     const Decision d = resolve(j.at("layer").get<std::string>(), j.at("device").get<std::string>(),
                                parse_mode(j.at("mode").get<std::string>()), inputs);
-    const json out{{"layer", d.layer},        {"device", d.device},     {"mode", to_string(d.mode)},
-                   {"kernel", d.kernel->name}, {"op", d.kernel->op},     {"fallback", d.fallback},
+    const json out{{"layer", d.layer},         {"device", d.device}, {"mode", to_string(d.mode)},
+                   {"kernel", d.kernel->name}, {"op", d.kernel->op}, {"fallback", d.fallback},
                    {"source", d.source},       {"reason", d.reason}};
     *decision_json = copy_string(out.dump());
   });
@@ -250,7 +258,8 @@ int kernmap_list_kernels(char** kernels_json, char** error) {
 
 int kernmap_effective_mapping(char** mapping_json, char** error) {
   return guarded("kernmap_effective_mapping", error, [&] {
-    if (mapping_json == nullptr) throw std::invalid_argument("kernmap_effective_mapping: mapping_json is NULL");
+    if (mapping_json == nullptr)
+      throw std::invalid_argument("kernmap_effective_mapping: mapping_json is NULL");
     *mapping_json = copy_string(mapping_to_json(effective_mapping()).dump());
   });
 }
@@ -265,7 +274,8 @@ char* copy_string(const std::string& text) {
   return out;
 }
 
-int guarded_call(const char* function, char** error, const std::function<void()>& body, bool name_invalid_argument) {
+int guarded_call(const char* function, char** error, const std::function<void()>& body,
+                 bool name_invalid_argument) {
   const auto fail = [&](int status, const std::string& message) {
     if (error != nullptr) *error = copy_string(message);
     return status;
@@ -274,7 +284,8 @@ int guarded_call(const char* function, char** error, const std::function<void()>
     body();
     return KERNMAP_OK;
   } catch (const std::invalid_argument& e) {
-    return fail(KERNMAP_INVALID_ARGUMENT, name_invalid_argument ? std::string(function) + ": " + e.what() : e.what());
+    return fail(KERNMAP_INVALID_ARGUMENT,
+                name_invalid_argument ? std::string(function) + ": " + e.what() : e.what());
   } catch (const nlohmann::json::exception& e) {
     return fail(KERNMAP_INVALID_ARGUMENT, std::string(function) + ": invalid JSON argument: " + e.what());
   } catch (const std::exception& e) {

@@ -15,10 +15,12 @@ namespace kernmap::detail {
 /// A copy of text in memory the caller releases with kernmap_free (std::free); nullptr when out of memory.
 char* copy_string(const std::string& text);
 
-/// Runs body for a C entry point named function, turning every exception into a status code and, when error is
-/// not NULL, a message: std::invalid_argument -> KERNMAP_INVALID_ARGUMENT (its message, prefixed with function
-/// when name_invalid_argument), JSON errors -> KERNMAP_INVALID_ARGUMENT, anything else -> KERNMAP_INTERNAL_ERROR.
-int guarded_call(const char* function, char** error, const std::function<void()>& body, bool name_invalid_argument);
+/// Runs body for a C entry point named function, turning every exception into a status code and, when error
+/// is not NULL, a message: std::invalid_argument -> KERNMAP_INVALID_ARGUMENT (its message, prefixed with
+/// function when name_invalid_argument), JSON errors -> KERNMAP_INVALID_ARGUMENT, anything else ->
+/// KERNMAP_INTERNAL_ERROR.
+int guarded_call(const char* function, char** error, const std::function<void()>& body,
+                 bool name_invalid_argument);
 
 /// {"Layer": {"device": {"mode": "provider/kernel"}}} -> Mapping; throws std::invalid_argument naming
 /// `function` and the entry (modes are checked by parse_mode; layers and kernels are checked by the

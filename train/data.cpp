@@ -8,7 +8,7 @@
 #include <sstream>
 #include <string>
 
-#include "include/kernmap/train.h"
+#include "kernmap/train.h"
 
 namespace kernmap::train {
 namespace {

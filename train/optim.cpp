@@ -10,7 +10,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "include/kernmap/train.h"
+#include "kernmap/train.h"
 
 namespace kernmap::train {
 

@@ -7,7 +7,7 @@
 #include <atomic>
 #include <cmath>
 
-#include "include/kernmap/train.h"
+#include "kernmap/train.h"
 
 namespace kernmap::train {
 namespace {

@@ -11,7 +11,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "include/kernmap/train.h"
+#include "kernmap/train.h"
 
 namespace kernmap::train {
 namespace {

@@ -19,8 +19,8 @@ at::Tensor swiglu(const at::Tensor& gate_up);
 /// Grouped product: rows offs[e-1]..offs[e] of a [T, K] multiply b[e] ([E, K, N]; a transposed view of
 /// [E, N, K] is read in place); offs: int32 [E] cumulative row ends, offs[E-1] == T. Returns [T, N].
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs);
-/// MoE experts (transformers 5.x layout): hidden [T, H], topk_ids / topk_weights [T, k], gate_up_proj [E, 2I, H]
-/// (gate rows first), down_proj [E, H, I]. Returns sum_k topk_weights * down(silu(gate) * up) per token.
+/// MoE experts (transformers 5.x layout): hidden [T, H], topk_ids / topk_weights [T, k], gate_up_proj [E, 2I,
+/// H] (gate rows first), down_proj [E, H, I]. Returns sum_k topk_weights * down(silu(gate) * up) per token.
 at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                    const at::Tensor& gate_up_proj, const at::Tensor& down_proj);
 

@@ -7,15 +7,15 @@
 // level below it.
 //
 // Resolution order (the `kernels` library's): inference -> inference+compile -> training -> training+compile
-// -> fallback; training -> training+compile -> fallback; a +compile request accepts only compile-safe kernels;
-// training accepts only kernels with a backward. When nothing acceptable is mapped the Decision names the
-// layer's reference kernel and says why.
+// -> fallback; training -> training+compile -> fallback; a +compile request accepts only compile-safe
+// kernels; training accepts only kernels with a backward. When nothing acceptable is mapped the Decision
+// names the layer's reference kernel and says why.
 //
-// Environment: KERNMAP_DISABLE=all|Layer,Layer,... forces the reference; KERNMAP_LOG=1 prints every decision to
-// stderr. Both are read at each resolution.
+// Environment: KERNMAP_DISABLE=all|Layer,Layer,... forces the reference; KERNMAP_LOG=1 prints every decision
+// to stderr. Both are read at each resolution.
 //
-// Thread safety: every function may be called from any thread. Scoped overrides are visible only on the thread
-// that created them.
+// Thread safety: every function may be called from any thread. Scoped overrides are visible only on the
+// thread that created them.
 #pragma once
 
 #include <cstdint>
@@ -30,8 +30,12 @@ namespace kernmap {
 /// Execution mode flags (the `kernels` library's Mode). kFallback is only a mapping key: "use for any mode
 /// the kernel qualifies for, after the specific entries".
 enum class Mode : unsigned { kInference = 1, kTraining = 2, kCompile = 4, kFallback = 8 };
-constexpr Mode operator|(Mode a, Mode b) { return static_cast<Mode>(static_cast<unsigned>(a) | static_cast<unsigned>(b)); }
-constexpr bool has_flag(Mode m, Mode flag) { return (static_cast<unsigned>(m) & static_cast<unsigned>(flag)) != 0; }
+constexpr Mode operator|(Mode a, Mode b) {
+  return static_cast<Mode>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
+}
+constexpr bool has_flag(Mode m, Mode flag) {
+  return (static_cast<unsigned>(m) & static_cast<unsigned>(flag)) != 0;
+}
 
 /// "inference", "training", "inference+compile", "training+compile", "fallback".
 std::string to_string(Mode mode);
@@ -40,7 +44,7 @@ Mode parse_mode(const std::string& text);
 
 /// What a caller asks a kernel to take. Empty fields mean "not known yet" and are not checked.
 struct KernelInputs {
-  std::string dtype;                         ///< torch dtype name: "float32", "bfloat16", "float16", "float64"
+  std::string dtype;  ///< torch dtype name: "float32", "bfloat16", "float16", "float64"
   std::vector<std::vector<int64_t>> shapes;  ///< input shapes, in the op's argument order
 };
 
@@ -53,8 +57,8 @@ struct KernelDescriptor {
   bool has_backward = false;         ///< usable for training
   bool compile_safe = false;         ///< has fake/Meta implementations, usable under torch.compile
   bool deterministic = true;         ///< bit-identical results across runs and thread counts
-  std::string op;                    ///< torch op that runs it ("kernmap::rms_norm"); empty for non-torch kernels
-  std::string description;           ///< one line for `kernmap kernels`
+  std::string op;           ///< torch op that runs it ("kernmap::rms_norm"); empty for non-torch kernels
+  std::string description;  ///< one line for `kernmap kernels`
   /// Shape/stride check: nullopt when the kernel takes these inputs, else the reason it does not.
   std::function<std::optional<std::string>(const KernelInputs&)> supports;
 
@@ -62,8 +66,8 @@ struct KernelDescriptor {
   std::string provider() const;
 };
 
-/// Registers a kernel. Throws std::invalid_argument when the name is malformed (not "provider/name"), the layer
-/// is empty, a kernel of that name exists already, or (for a "reference/..." kernel) the layer has a
+/// Registers a kernel. Throws std::invalid_argument when the name is malformed (not "provider/name"), the
+/// layer is empty, a kernel of that name exists already, or (for a "reference/..." kernel) the layer has a
 /// reference kernel already. Kernels are never unregistered.
 void register_kernel(KernelDescriptor descriptor);
 /// The kernel of that name, or nullptr. The pointer stays valid for the life of the process.
@@ -103,14 +107,15 @@ struct Decision {
   std::string device;
   Mode mode = Mode::kInference;
   const KernelDescriptor* kernel = nullptr;  ///< the chosen kernel; the layer's reference when fallback
-  bool fallback = true;                      ///< true when the reference was chosen instead of a mapped kernel
-  std::string source;  ///< where the choice came from: "scoped", "user", "default", or "reference"
+  bool fallback = true;  ///< true when the reference was chosen instead of a mapped kernel
+  std::string source;    ///< where the choice came from: "scoped", "user", "default", or "reference"
   std::string reason;  ///< why: "default mapping", "no mapping for npu", "dtype float64 not supported by ..."
 };
 
-/// Resolves a layer on a device in a mode. Throws std::invalid_argument for an unknown layer or a mode that is
-/// not a request (kFallback, or kCompile alone).
-Decision resolve(const std::string& layer, const std::string& device, Mode mode, const KernelInputs& inputs = {});
+/// Resolves a layer on a device in a mode. Throws std::invalid_argument for an unknown layer or a mode that
+/// is not a request (kFallback, or kCompile alone).
+Decision resolve(const std::string& layer, const std::string& device, Mode mode,
+                 const KernelInputs& inputs = {});
 
 /// The mapping resolution sees on this thread, all levels merged, for display.
 Mapping effective_mapping();

@@ -39,21 +39,24 @@ inline A dsilu_scalar(A x) {
 
 // Scalar math: dx = round(dy * dsilu(x))
 template <bool Stream, class T>
-void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int64_t r0, int64_t r1, int64_t n) {
+void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int64_t r0, int64_t r1,
+                   int64_t n) {
   using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
     const T* dyr = dy + r * dys;
     T* dxr = dx + r * n;
-    for (int64_t i = 0; i < nb; i += kBlock) store_out<Stream>(dxr + i, load<A>(dyr + i) * dsilu(load<A>(xr + i)));
+    for (int64_t i = 0; i < nb; i += kBlock)
+      store_out<Stream>(dxr + i, load<A>(dyr + i) * dsilu(load<A>(xr + i)));
     for (int64_t i = nb; i < n; ++i) dxr[i] = from_acc<T>(to_acc<A>(dyr[i]) * dsilu_scalar(to_acc<A>(xr[i])));
   }
 }
 
 // Scalar math: s = round(silu(g)); y = round(s * u)
 template <bool Stream, class T>
-void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int64_t r0, int64_t r1, int64_t n) {
+void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int64_t r0, int64_t r1,
+                       int64_t n) {
   using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
@@ -117,8 +120,8 @@ void silu_fwd(DType dtype, const void* x, int64_t x_stride, void* y, int64_t row
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     with_stores(stream, can_stream(static_cast<T*>(y), n), [&](auto s) {
-      silu_rows<decltype(s)::value, T>(static_cast<const T*>(x), x_stride, static_cast<T*>(y), row_begin, row_end,
-                                       n);
+      silu_rows<decltype(s)::value, T>(static_cast<const T*>(x), x_stride, static_cast<T*>(y), row_begin,
+                                       row_end, n);
     });
   });
 }
@@ -128,8 +131,8 @@ void silu_bwd(DType dtype, const void* dy, int64_t dy_stride, const void* x, int
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     with_stores(stream, can_stream(static_cast<T*>(dx), n), [&](auto s) {
-      silu_bwd_rows<decltype(s)::value, T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(x), x_stride,
-                                           static_cast<T*>(dx), row_begin, row_end, n);
+      silu_bwd_rows<decltype(s)::value, T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(x),
+                                           x_stride, static_cast<T*>(dx), row_begin, row_end, n);
     });
   });
 }
@@ -139,8 +142,9 @@ void silu_and_mul_fwd(DType dtype, const void* gate, int64_t gate_stride, const 
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     with_stores(stream, can_stream(static_cast<T*>(y), n), [&](auto s) {
-      silu_and_mul_rows<decltype(s)::value, T>(static_cast<const T*>(gate), gate_stride, static_cast<const T*>(up),
-                                               up_stride, static_cast<T*>(y), row_begin, row_end, n);
+      silu_and_mul_rows<decltype(s)::value, T>(static_cast<const T*>(gate), gate_stride,
+                                               static_cast<const T*>(up), up_stride, static_cast<T*>(y),
+                                               row_begin, row_end, n);
     });
   });
 }
@@ -150,12 +154,13 @@ void silu_and_mul_bwd(DType dtype, const void* dy, int64_t dy_stride, const void
                       int64_t d_up_stride, int64_t row_begin, int64_t row_end, int64_t n, bool stream) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const bool allow = can_stream(static_cast<T*>(d_gate), d_gate_stride) && can_stream(static_cast<T*>(d_up), d_up_stride);
+    const bool allow =
+        can_stream(static_cast<T*>(d_gate), d_gate_stride) && can_stream(static_cast<T*>(d_up), d_up_stride);
     with_stores(stream, allow, [&](auto s) {
-      silu_and_mul_bwd_rows<decltype(s)::value, T>(static_cast<const T*>(dy), dy_stride, static_cast<const T*>(gate),
-                                                   gate_stride, static_cast<const T*>(up), up_stride,
-                                                   static_cast<T*>(d_gate), d_gate_stride, static_cast<T*>(d_up),
-                                                   d_up_stride, row_begin, row_end, n);
+      silu_and_mul_bwd_rows<decltype(s)::value, T>(
+          static_cast<const T*>(dy), dy_stride, static_cast<const T*>(gate), gate_stride,
+          static_cast<const T*>(up), up_stride, static_cast<T*>(d_gate), d_gate_stride, static_cast<T*>(d_up),
+          d_up_stride, row_begin, row_end, n);
     });
   });
 }

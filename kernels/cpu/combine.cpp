@@ -1,5 +1,5 @@
-// The MoE combine (each token's expert rows, weighted, summed in slot order) and its backward, compiled once per
-// instruction-set level. One pass over the rows each way, accumulators in registers.
+// The MoE combine (each token's expert rows, weighted, summed in slot order) and its backward, compiled once
+// per instruction-set level. One pass over the rows each way, accumulators in registers.
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
@@ -35,8 +35,8 @@ inline A term_scalar(A r, A w) {
 // Starting from +0 keeps a sum of negative zeros +0, as the eager sum does. Two blocks per step, each
 // element's sum still in slot order.
 template <Term M, class T, class O>
-void combine_rows(const T* rows, const int64_t* pos, int64_t k, const Acc<T>* w, O* out, int64_t t0, int64_t t1,
-                  int64_t H) {
+void combine_rows(const T* rows, const int64_t* pos, int64_t k, const Acc<T>* w, O* out, int64_t t0,
+                  int64_t t1, int64_t H) {
   using A = Acc<T>;
   using V = Vec<A>;
   const A one = 1;
@@ -57,7 +57,8 @@ void combine_rows(const T* rows, const int64_t* pos, int64_t k, const Acc<T>* w,
     }
     if (i + kBlock <= H) {
       V a0{};
-      for (int64_t s = 0; s < k; ++s) a0 += term<M, T>(load<A>(rows + p[s] * H + i), M == Term::kRow ? one : w[p[s]]);
+      for (int64_t s = 0; s < k; ++s)
+        a0 += term<M, T>(load<A>(rows + p[s] * H + i), M == Term::kRow ? one : w[p[s]]);
       store(o + i, a0);
       i += kBlock;
     }
@@ -70,8 +71,12 @@ void combine_rows(const T* rows, const int64_t* pos, int64_t k, const Acc<T>* w,
   }
 }
 
-inline VF fused_madd(VF a, VF b, VF c) { return madd(a, b, c); }
-inline VD fused_madd(VD a, VD b, VD c) { return a * b + c; }
+inline VF fused_madd(VF a, VF b, VF c) {
+  return madd(a, b, c);
+}
+inline VD fused_madd(VD a, VD b, VD c) {
+  return a * b + c;
+}
 
 // Scalar math, per row j (g = grad[order[j] / k]):
 //   d_rows[j][h] = round_T(g[h] * w[j]);  d_w[j] = sum over h of g[h] * rows[j][h]
@@ -81,8 +86,8 @@ inline VD fused_madd(VD a, VD b, VD c) { return a * b + c; }
 // bits across runs and thread counts; not element order, so it differs from a sequential fp32 sum within the
 // usual fp32 summation bound.
 template <class T>
-void combine_bwd_rows(const T* grad, const T* rows, const Acc<T>* w, const int64_t* order, int64_t k, T* d_rows,
-                      Acc<T>* d_w, int64_t j0, int64_t j1, int64_t H) {
+void combine_bwd_rows(const T* grad, const T* rows, const Acc<T>* w, const int64_t* order, int64_t k,
+                      T* d_rows, Acc<T>* d_w, int64_t j0, int64_t j1, int64_t H) {
   using A = Acc<T>;
   using V = Vec<A>;
   for (int64_t j = j0; j < j1; ++j) {
@@ -117,8 +122,9 @@ void combine_bwd_rows(const T* grad, const T* rows, const Acc<T>* w, const int64
 
 }  // namespace
 
-void moe_combine(DType dtype, DType out_dtype, const void* rows, const int64_t* pos, int64_t k, const void* weights,
-                 bool round_product, void* out, int64_t t_begin, int64_t t_end, int64_t H) {
+void moe_combine(DType dtype, DType out_dtype, const void* rows, const int64_t* pos, int64_t k,
+                 const void* weights, bool round_product, void* out, int64_t t_begin, int64_t t_end,
+                 int64_t H) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
@@ -143,13 +149,15 @@ void moe_combine(DType dtype, DType out_dtype, const void* rows, const int64_t* 
   });
 }
 
-void moe_combine_bwd(DType dtype, const void* grad, const void* rows, const void* weights, const int64_t* order,
-                     int64_t k, void* d_rows, void* d_weights, int64_t row_begin, int64_t row_end, int64_t H) {
+void moe_combine_bwd(DType dtype, const void* grad, const void* rows, const void* weights,
+                     const int64_t* order, int64_t k, void* d_rows, void* d_weights, int64_t row_begin,
+                     int64_t row_end, int64_t H) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
-    combine_bwd_rows<T>(static_cast<const T*>(grad), static_cast<const T*>(rows), static_cast<const A*>(weights),
-                        order, k, static_cast<T*>(d_rows), static_cast<A*>(d_weights), row_begin, row_end, H);
+    combine_bwd_rows<T>(static_cast<const T*>(grad), static_cast<const T*>(rows),
+                        static_cast<const A*>(weights), order, k, static_cast<T*>(d_rows),
+                        static_cast<A*>(d_weights), row_begin, row_end, H);
   });
 }
 

@@ -149,15 +149,16 @@ void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64
     for (int j = 0; j < NB; ++j)
       for (int g = 0; g < G; ++g) acc[s][j][g] = _mm256_setzero_ps();
   int64_t d = 0;
-  // The next block: when B's rows are contiguous, its NB rows are one run of memory, fetched front to back (NB
-  // lines a step) — one stream for the memory controller instead of NB (measured bf16 E128 T256 gate_up, 2
-  // threads: 40.5-41.3 -> 38.6-39.3 ms); else each row at this step's position.
+  // The next block: when B's rows are contiguous, its NB rows are one run of memory, fetched front to back
+  // (NB lines a step) — one stream for the memory controller instead of NB (measured bf16 E128 T256 gate_up,
+  // 2 threads: 40.5-41.3 -> 38.6-39.3 ms); else each row at this step's position.
   const char* next = rows[0] + NB * row_bytes;
   const bool linear = depth * line_step == row_bytes;
   for (; d + 16 <= depth; d += 16) {
     for (int j = 0; j < NB; ++j) {
       _mm_prefetch(rows[j] + d * line_step + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(linear ? next + (d / 16 * NB + j) * 64 : rows[j] + NB * row_bytes + d * line_step, _MM_HINT_T1);
+      _mm_prefetch(linear ? next + (d / 16 * NB + j) * 64 : rows[j] + NB * row_bytes + d * line_step,
+                   _MM_HINT_T1);
     }
     for (int dd = 0; dd < 16; dd += S) unroll<S>([&](auto s) { step(d + dd + s, acc[s]); });
   }

@@ -1,6 +1,6 @@
-// Outer-product form of small-M matrix products for the grouped backward passes (broadcast a scalar of A, multiply
-// a vector of B's row), blocked along the reduction so B streams through the cache once per call while the
-// partial sums wait in an fp32 scratch block. Compiled once per instruction-set level.
+// Outer-product form of small-M matrix products for the grouped backward passes (broadcast a scalar of A,
+// multiply a vector of B's row), blocked along the reduction so B streams through the cache once per call
+// while the partial sums wait in an fp32 scratch block. Compiled once per instruction-set level.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -24,9 +24,9 @@ constexpr int kBcastVecs = 4;
 constexpr int64_t kBlockBytes = 256 * 1024;
 
 // bf16 (dot-product instruction): a short reduction's panels (the weight gradients of small groups) are
-// interleaved once when at least this many row blocks read them. Measured on one thread at E128 H2048 I768, 16
-// rows a group: weight gradients gate_up 92 -> 85 ms, down 39.5 -> 38 ms; interleaving the long reductions of
-// grad @ W (4 row blocks a panel) made them slower (gate_up 112 -> 119 ms, down 56 -> 59 ms), they unpack.
+// interleaved once when at least this many row blocks read them. Measured on one thread at E128 H2048 I768,
+// 16 rows a group: weight gradients gate_up 92 -> 85 ms, down 39.5 -> 38 ms; interleaving the long reductions
+// of grad @ W (4 row blocks a panel) made them slower (gate_up 112 -> 119 ms, down 56 -> 59 ms), they unpack.
 constexpr int64_t kInterleaveRowBlocks = 8;
 
 // bf16 (dot-product instruction) with A's pairs in its rows and more reduction steps than this: outer_panels.
@@ -35,7 +35,7 @@ constexpr int64_t kPanelMinSteps = 64;
 // The partial sums of one register block between reduction blocks: fp32 (fp64 for fp64) rows of ld elements.
 template <class Ac>
 struct Partial {
-  Ac* sums;     // null: the whole reduction in one pass
+  Ac* sums;  // null: the whole reduction in one pass
   int64_t ld;
   bool resume;  // start from the sums (else from zero)
   bool park;    // end by writing the sums back (else round into C)
@@ -78,8 +78,8 @@ struct Fetch {
   }
   // Inlined into the register-block loops, which otherwise call it (twice a paired step) with nothing to do.
   // Into the level-2 cache (prefetcht1): the block is read after all of this one, and filling level 1 with it
-  // evicted the panels and partial sums in use. Measured on one thread, E128 H2048 I768 T256, grad @ W gate_up
-  // and down_proj: fp32 184 -> 164 and 95 -> 80 ms, bf16 (outer_panels) 98 -> 95 and 44 -> 42 ms.
+  // evicted the panels and partial sums in use. Measured on one thread, E128 H2048 I768 T256, grad @ W
+  // gate_up and down_proj: fp32 184 -> 164 and 95 -> 80 ms, bf16 (outer_panels) 98 -> 95 and 44 -> 42 ms.
   template <int Locality = 2>
   __attribute__((always_inline)) inline void step() {
     if (lines <= 0) return;
@@ -102,7 +102,8 @@ void bcast_block(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, 
   using V = Vec<Ac>;
   V acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = part.resume ? load_native(part.sums + i * part.ld + j * kBlock) : V{};
+    for (int j = 0; j < NV; ++j)
+      acc[i][j] = part.resume ? load_native(part.sums + i * part.ld + j * kBlock) : V{};
   for (int64_t p = 0; p < P; ++p) {
     // B's rows are ldb apart (often a page or more): the hardware prefetchers do not follow. `near`: fetch
     // this panel's rows a few iterations ahead (one hint per cache line); `fetch`: a share of the caller's
@@ -129,18 +130,18 @@ void bcast_block(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, 
 }
 
 #if defined(__AVX512BF16__)
-// bf16 outer products with the dot-product instruction, two steps of p at a time: lane l of a dot product adds
-// a[2l] * b[2l] + a[2l+1] * b[2l+1], so the pair (A(m, p), A(m, p+1)) is broadcast to every lane and rows p and
-// p+1 of B are interleaved (unpack within 128-bit lanes). The unpacks permute the columns: the low half holds
-// columns {0-3, 8-11, 16-19, 24-27} of a 32-column chunk, the high half the others; the final stores undo it
-// (partial sums are parked in the permuted order). Products are exact and sums fp32; an odd last step pairs
-// with zeros. PairInRow: A(m, p + 1) follows A(m, p) in memory (a_p == 1), one 32-bit load per pair.
-// One paired step: rows p and p+1 of B's 64 columns (r0*, r1*), interleaved, times A's pairs of MR rows.
-// The products of one paired step with B's rows already interleaved (b0-b3: 32 columns' pairs each).
+// bf16 outer products with the dot-product instruction, two steps of p at a time: lane l of a dot product
+// adds a[2l] * b[2l] + a[2l+1] * b[2l+1], so the pair (A(m, p), A(m, p+1)) is broadcast to every lane and
+// rows p and p+1 of B are interleaved (unpack within 128-bit lanes). The unpacks permute the columns: the low
+// half holds columns {0-3, 8-11, 16-19, 24-27} of a 32-column chunk, the high half the others; the final
+// stores undo it (partial sums are parked in the permuted order). Products are exact and sums fp32; an odd
+// last step pairs with zeros. PairInRow: A(m, p + 1) follows A(m, p) in memory (a_p == 1), one 32-bit load
+// per pair. One paired step: rows p and p+1 of B's 64 columns (r0*, r1*), interleaved, times A's pairs of MR
+// rows. The products of one paired step with B's rows already interleaved (b0-b3: 32 columns' pairs each).
 template <int MR, bool PairInRow>
-__attribute__((always_inline)) inline void dp_pairs(__m512 (&acc)[MR][4], __m512bh b0, __m512bh b1, __m512bh b2,
-                                                    __m512bh b3, const uint16_t* a, int64_t a_m, int64_t a_p,
-                                                    bool pair) {
+__attribute__((always_inline)) inline void dp_pairs(__m512 (&acc)[MR][4], __m512bh b0, __m512bh b1,
+                                                    __m512bh b2, __m512bh b3, const uint16_t* a, int64_t a_m,
+                                                    int64_t a_p, bool pair) {
   for (int i = 0; i < MR; ++i) {
     const uint16_t* ai = a + i * a_m;
     uint32_t bits;
@@ -157,29 +158,30 @@ __attribute__((always_inline)) inline void dp_pairs(__m512 (&acc)[MR][4], __m512
 }
 
 template <int MR, bool PairInRow>
-__attribute__((always_inline)) inline void dp_step(__m512 (&acc)[MR][4], __m512i r0a, __m512i r0b, __m512i r1a,
-                                                   __m512i r1b, const uint16_t* a, int64_t a_m, int64_t a_p,
-                                                   bool pair) {
-  dp_pairs<MR, PairInRow>(acc, (__m512bh)_mm512_unpacklo_epi16(r0a, r1a), (__m512bh)_mm512_unpackhi_epi16(r0a, r1a),
-                          (__m512bh)_mm512_unpacklo_epi16(r0b, r1b), (__m512bh)_mm512_unpackhi_epi16(r0b, r1b), a,
-                          a_m, a_p, pair);
+__attribute__((always_inline)) inline void dp_step(__m512 (&acc)[MR][4], __m512i r0a, __m512i r0b,
+                                                   __m512i r1a, __m512i r1b, const uint16_t* a, int64_t a_m,
+                                                   int64_t a_p, bool pair) {
+  dp_pairs<MR, PairInRow>(acc, (__m512bh)_mm512_unpacklo_epi16(r0a, r1a),
+                          (__m512bh)_mm512_unpackhi_epi16(r0a, r1a),
+                          (__m512bh)_mm512_unpacklo_epi16(r0b, r1b),
+                          (__m512bh)_mm512_unpackhi_epi16(r0b, r1b), a, a_m, a_p, pair);
 }
 
 // Word indices pairing two 32-element rows r0, r1 column by column in natural order: (r0[c], r1[c]) for
 // c = 0..15 (pair_lo) and 16..31 (pair_hi), for vpermt2w.
 inline __m512i pair_lo() {
-  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
-                          35, 3, 34, 2, 33, 1, 32, 0);
+  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                          36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
 }
 inline __m512i pair_hi() {
-  return _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53, 21,
-                          52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  return _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22, 53,
+                          21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
 }
 
 // The interleaved form of a panel of B (P rows x 64 columns, rows ldb apart), written once for all the row
 // blocks that read it: per paired step, four vectors of 16 column pairs in natural column order (an odd last
-// row paired with zeros), 128 elements a step, so the row blocks store their sums without permuting them back.
-// `near`: rows are fetched a few steps ahead.
+// row paired with zeros), 128 elements a step, so the row blocks store their sums without permuting them
+// back. `near`: rows are fetched a few steps ahead.
 inline void interleave_panel(const BFloat16* B, int64_t ldb, int64_t P, bool near, uint16_t* out) {
   for (int64_t p = 0; p < P; p += 2, out += 128) {
     if (near)
@@ -232,8 +234,9 @@ void bcast_block_dp(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16*
           __builtin_prefetch(reinterpret_cast<const char*>(B + q * ldb) + off);
     }
     const BFloat16* b = B + p * ldb;
-    dp_step<MR, PairInRow>(acc, _mm512_loadu_si512(b), _mm512_loadu_si512(b + 32), _mm512_loadu_si512(b + ldb),
-                           _mm512_loadu_si512(b + ldb + 32), a16 + p * a_p, a_m, a_p, true);
+    dp_step<MR, PairInRow>(acc, _mm512_loadu_si512(b), _mm512_loadu_si512(b + 32),
+                           _mm512_loadu_si512(b + ldb), _mm512_loadu_si512(b + ldb + 32), a16 + p * a_p, a_m,
+                           a_p, true);
   }
   if (!Inter && Pe < P) {
     const BFloat16* b = B + Pe * ldb;
@@ -268,20 +271,20 @@ void bcast_block_dp(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16*
     }
 }
 
-
 // ---- bf16, A's pairs in its rows, long reductions (grad @ W) ---------------------------------------------
 // Column tiles of 32: for each block of the reduction, the tile's panel (the block's rows of B, 64 bytes
-// each) is interleaved once into a contiguous level-1 buffer (two vectors a paired step), then every row block
-// of up to 12 rows (24 accumulators) reads it there: one broadcast and two dot products per row and paired
-// step, no unpacks in the inner loop, B read from memory once per call. The products and their order are those
-// of bcast_block_dp (each element adds its pairs in order of p), so results match it bit for bit.
+// each) is interleaved once into a contiguous level-1 buffer (two vectors a paired step), then every row
+// block of up to 12 rows (24 accumulators) reads it there: one broadcast and two dot products per row and
+// paired step, no unpacks in the inner loop, B read from memory once per call. The products and their order
+// are those of bcast_block_dp (each element adds its pairs in order of p), so results match it bit for bit.
 constexpr int kPanelCols = 32;
 constexpr int kPanelRows = 12;
 
 // Rows [0, P) of B's N columns in tiles of 32 (the last one's columns past N zero), each tile `tstride`
 // elements after the previous: per paired step two vectors, unpacklo / unpackhi of rows p and p+1 (an odd
 // last row paired with zeros). B is read in memory order, two rows at a time.
-inline void interleave_block(const BFloat16* B, int64_t ldb, int64_t P, int64_t N, uint16_t* out, int64_t tstride) {
+inline void interleave_block(const BFloat16* B, int64_t ldb, int64_t P, int64_t N, uint16_t* out,
+                             int64_t tstride) {
   const int64_t full = N / kPanelCols, rest = N % kPanelCols;
   const __mmask32 mask = (__mmask32(1) << rest) - 1;
   for (int64_t p = 0; p < P; p += 2, out += 64) {
@@ -344,7 +347,8 @@ void panel_rows(const uint32_t* A, const uint16_t* panel, int64_t P, const Parti
     } else {
       const int64_t c0 = std::min<int64_t>(cols, 16), c1 = cols - c0;
       _mm256_mask_storeu_epi16(c, static_cast<__mmask16>((1u << c0) - 1), pack16(v0, BFloat16{}));
-      if (c1 > 0) _mm256_mask_storeu_epi16(c + 16, static_cast<__mmask16>((1u << c1) - 1), pack16(v1, BFloat16{}));
+      if (c1 > 0)
+        _mm256_mask_storeu_epi16(c + 16, static_cast<__mmask16>((1u << c1) - 1), pack16(v1, BFloat16{}));
     }
   }
 }
@@ -378,28 +382,30 @@ void panel_rows_any(int mr, const uint32_t* A, const uint16_t* panel, int64_t P,
 // rows of the N columns) while the next block is fetched in memory order; rows in as few blocks of up to
 // kPanelRows as cover M, as even as possible.
 template <bool Stream>
-void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
-                       int64_t M, int64_t N, int64_t P);
+void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C,
+                       int64_t ldc, int64_t M, int64_t N, int64_t P);
 
-// Columns in chunks (as even as possible) narrow enough for reduction blocks of at least kPanelMinBlock steps:
-// fewer partial-sum round trips and tile switches per step, the same sums. Measured on one thread, E128 T256
-// bf16: gate_up (2048 columns: 64-step blocks before, now two chunks of 128-step blocks) 94-100 -> 87-91 ms;
-// 256-step blocks (512-column chunks) about the same for gate_up and slower for down_proj (768 columns: 42 ->
-// 44 ms).
+// Columns in chunks (as even as possible) narrow enough for reduction blocks of at least kPanelMinBlock
+// steps: fewer partial-sum round trips and tile switches per step, the same sums. Measured on one thread,
+// E128 T256 bf16: gate_up (2048 columns: 64-step blocks before, now two chunks of 128-step blocks) 94-100 ->
+// 87-91 ms; 256-step blocks (512-column chunks) about the same for gate_up and slower for down_proj (768
+// columns: 42 -> 44 ms).
 constexpr int64_t kPanelMinBlock = 128;
 template <bool Stream>
 void outer_panels(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
                   int64_t M, int64_t N, int64_t P) {
-  const int64_t widest = std::max<int64_t>(kPanelCols, kBlockBytes / (2 * kPanelMinBlock) / kPanelCols * kPanelCols);
+  const int64_t widest =
+      std::max<int64_t>(kPanelCols, kBlockBytes / (2 * kPanelMinBlock) / kPanelCols * kPanelCols);
   const int64_t chunks = (N + widest - 1) / widest;
-  const int64_t chunk = ((N + chunks - 1) / chunks + kPanelCols - 1) / kPanelCols * kPanelCols;  // as even as possible
+  const int64_t chunk =
+      ((N + chunks - 1) / chunks + kPanelCols - 1) / kPanelCols * kPanelCols;  // as even as possible
   for (int64_t n = 0; n < N; n += chunk)
     outer_panels_cols<Stream>(A, lda, B + n, ldb, C + n, ldc, M, std::min(chunk, N - n), P);
 }
 
 template <bool Stream>
-void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
-                       int64_t M, int64_t N, int64_t P) {
+void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C,
+                       int64_t ldc, int64_t M, int64_t N, int64_t P) {
   const int64_t tiles = (N + kPanelCols - 1) / kPanelCols, Np = tiles * kPanelCols;
   const int64_t block_p = std::clamp<int64_t>(kBlockBytes / (N * 2) / 8 * 8, 16, 256);
   const int64_t step_p = P <= block_p ? std::max<int64_t>(P, 1) : block_p;
@@ -416,8 +422,8 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
     const int64_t pn = std::min(step_p, P - p0);
     const bool resume = p0 > 0, park = p0 + pn < P;
     // The next reduction block, in memory order, spread over this block's paired steps.
-    const Fetch next = park ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * 2, N * 2, std::min(step_p, P - p0 - pn))
-                            : Fetch{};
+    const Fetch next =
+        park ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * 2, N * 2, std::min(step_p, P - p0 - pn)) : Fetch{};
     // A's pairs of this block, per row block in step-major order: [step][row] (an odd last step's second
     // element zero, not read from A).
     const int64_t steps = (pn + 1) / 2;
@@ -426,7 +432,8 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
       uint32_t* dst = apack + m * steps;
       for (int64_t i = 0; i < mr; ++i) {
         const uint16_t* a = a16 + (m + i) * lda + p0;
-        for (int64_t q = 0; q < pn / 2; ++q) dst[q * mr + i] = uint32_t(a[2 * q]) | uint32_t(a[2 * q + 1]) << 16;
+        for (int64_t q = 0; q < pn / 2; ++q)
+          dst[q * mr + i] = uint32_t(a[2 * q]) | uint32_t(a[2 * q + 1]) << 16;
         if (pn % 2) dst[(steps - 1) * mr + i] = a[pn - 1];
       }
     }
@@ -489,9 +496,10 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
   using Ac = Acc<T>;
   const int64_t wide = kBcastVecs * kBlock;
   const int64_t Nw = N - N % wide, Nv = N - N % kBlock;
-  // The full-width column blocks go through the reduction in blocks of kBlockP steps (all column blocks of one
-  // reduction block before the next), their partial sums parked in an M x Nw scratch block; fp64 (the gradient
-  // checks) in one pass. The sums are the same either way: each element adds its products in order of p.
+  // The full-width column blocks go through the reduction in blocks of kBlockP steps (all column blocks of
+  // one reduction block before the next), their partial sums parked in an M x Nw scratch block; fp64 (the
+  // gradient checks) in one pass. The sums are the same either way: each element adds its products in order
+  // of p.
   const int64_t block_p =
       std::clamp<int64_t>(kBlockBytes / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, 16, 256);
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
@@ -508,32 +516,32 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
   }
   const int64_t row_blocks_n = (M + kBcastRows - 1) / kBcastRows, calls = Nw / wide * row_blocks_n;
 #if defined(__AVX512BF16__)
-  // bf16 with the dot-product instruction: a short reduction's panel (P rows x 64 columns) is interleaved once
-  // into scratch when kInterleaveRowBlocks or more row blocks read it, instead of unpacking B's row pairs in
-  // every row block (the contiguous copy also keeps it in the level-1 cache, as pack_panel does).
+  // bf16 with the dot-product instruction: a short reduction's panel (P rows x 64 columns) is interleaved
+  // once into scratch when kInterleaveRowBlocks or more row blocks read it, instead of unpacking B's row
+  // pairs in every row block (the contiguous copy also keeps it in the level-1 cache, as pack_panel does).
   constexpr bool kDp = std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64;
 #else
   constexpr bool kDp = false;
 #endif
   const bool inter = kDp && step_p >= P && row_blocks_n >= kInterleaveRowBlocks;
-  const bool pack_panel = !inter && step_p >= P && P <= 64 && M >= 8 * kBcastRows &&
-                          (ldb * int64_t(sizeof(T))) % 4096 == 0;
+  const bool pack_panel =
+      !inter && step_p >= P && P <= 64 && M >= 8 * kBcastRows && (ldb * int64_t(sizeof(T))) % 4096 == 0;
   for (int64_t p0 = 0; p0 < std::max<int64_t>(P, 1); p0 += step_p) {
     const int64_t pn = std::min(step_p, P - p0);
     const bool resume = p0 > 0, park = p0 + pn < P;
     // While this reduction block is computed, the next one is fetched in memory order (whole rows of the
     // column range, which the hardware handles far better than the panel order of the computation), spread
     // evenly over the block's register-block calls.
-    const Fetch next = park ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * int64_t(sizeof(T)), Nw * int64_t(sizeof(T)),
-                                             std::min(step_p, P - p0 - pn))
+    const Fetch next = park ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * int64_t(sizeof(T)),
+                                             Nw * int64_t(sizeof(T)), std::min(step_p, P - p0 - pn))
                             : Fetch{};
     for (int64_t n = 0; n < Nw; n += wide) {
       // A short reduction (the weight gradients of small groups) over B rows a multiple of 4 KiB apart: those
-      // rows all fall into the same sets of the level-1 cache, so the panel (pn rows x 64 columns) does not stay
-      // there for the row blocks after the first. Copied to a contiguous buffer when 8 or more row blocks read
-      // it. Measured on one thread, weight gradient of gate_up at 16 rows a group: fp32 155 -> 147 ms, bf16
-      // 128 -> 109 ms; the long reductions of grad @ W (blocked, the next block prefetched) got slower (183 ->
-      // 195 ms) and are not copied.
+      // rows all fall into the same sets of the level-1 cache, so the panel (pn rows x 64 columns) does not
+      // stay there for the row blocks after the first. Copied to a contiguous buffer when 8 or more row
+      // blocks read it. Measured on one thread, weight gradient of gate_up at 16 rows a group: fp32 155 ->
+      // 147 ms, bf16 128 -> 109 ms; the long reductions of grad @ W (blocked, the next block prefetched) got
+      // slower (183 -> 195 ms) and are not copied.
       const T* panel = B + p0 * ldb + n;
       int64_t ldp = ldb;
       if (pack_panel) {
@@ -587,8 +595,8 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
   const Partial<Ac> whole{nullptr, 0, false, false};
   for (int64_t n = Nw; n < Nv; n += kBlock)
     row_blocks(M, [&](auto rows, int64_t m) {
-      bcast_block<T, decltype(rows)::value, 1, false>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc, P,
-                                                      whole);
+      bcast_block<T, decltype(rows)::value, 1, false>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc,
+                                                      P, whole);
     });
   if (Nv < N) bcast_tail(A, a_m, a_p, B, ldb, C, ldc, M, Nv, N, P);
 }

@@ -8,9 +8,9 @@
 namespace kernmap::cpu {
 namespace {
 
-#define KERNMAP_TABLE(ns, lvl)                                                                      \
-  KernelTable {                                                                                     \
-    lvl, &ns::rms_norm_fwd, &ns::rms_norm_bwd, &ns::silu_fwd, &ns::silu_bwd, &ns::silu_and_mul_fwd, \
+#define KERNMAP_TABLE(ns, lvl)                                                                       \
+  KernelTable {                                                                                      \
+    lvl, &ns::rms_norm_fwd, &ns::rms_norm_bwd, &ns::silu_fwd, &ns::silu_bwd, &ns::silu_and_mul_fwd,  \
         &ns::silu_and_mul_bwd, &ns::gemm_nt, &ns::gemm_bcast, &ns::moe_combine, &ns::moe_combine_bwd \
   }
 const KernelTable kTables[] = {
@@ -27,10 +27,12 @@ bool cpu_runs(Level level) {
     case Level::kBaseline:
       return true;
     case Level::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
     case Level::kAvx512:
-      return cpu_runs(Level::kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+      return cpu_runs(Level::kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512dq");
     case Level::kAvx512Bf16:
       return cpu_runs(Level::kAvx512) && __builtin_cpu_supports("avx512bf16");
   }
@@ -57,7 +59,8 @@ Level initial_level() {
     return best;
   }
   if (!cpu_runs(*want)) {
-    std::fprintf(stderr, "[kernmap] KERNMAP_CPU_ISA=%s: this CPU cannot run it; using %s\n", env, level_name(best));
+    std::fprintf(stderr, "[kernmap] KERNMAP_CPU_ISA=%s: this CPU cannot run it; using %s\n", env,
+                 level_name(best));
     return best;
   }
   return *want;
@@ -70,9 +73,13 @@ std::atomic<const KernelTable*>& active() {
 
 }  // namespace
 
-const KernelTable& kernel_table() { return *active().load(std::memory_order_acquire); }
+const KernelTable& kernel_table() {
+  return *active().load(std::memory_order_acquire);
+}
 
-Level active_level() { return kernel_table().level; }
+Level active_level() {
+  return kernel_table().level;
+}
 
 std::vector<Level> supported_levels() {
   std::vector<Level> out;

@@ -108,15 +108,15 @@ void rms_norm_fwd(DType x_dtype, DType y_dtype, const void* x, int64_t x_stride,
 }
 
 void rms_norm_bwd(DType x_dtype, DType y_dtype, const void* dy, int64_t dy_stride, const void* x,
-                  int64_t x_stride, const void* w, const void* rstd, void* dx, void* dw_acc, int64_t row_begin,
-                  int64_t row_end, int64_t H, bool stream) {
+                  int64_t x_stride, const void* w, const void* rstd, void* dx, void* dw_acc,
+                  int64_t row_begin, int64_t row_end, int64_t H, bool stream) {
   dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
     using X = decltype(x_tag);
     using Y = decltype(y_tag);
     auto run = [&](auto rows) {
-      rows(static_cast<const Y*>(dy), dy_stride, static_cast<const X*>(x), x_stride, static_cast<const Acc<X>*>(w),
-           static_cast<const Acc<X>*>(rstd), static_cast<X*>(dx), static_cast<Acc<X>*>(dw_acc), row_begin, row_end,
-           H);
+      rows(static_cast<const Y*>(dy), dy_stride, static_cast<const X*>(x), x_stride,
+           static_cast<const Acc<X>*>(w), static_cast<const Acc<X>*>(rstd), static_cast<X*>(dx),
+           static_cast<Acc<X>*>(dw_acc), row_begin, row_end, H);
     };
     if (stream && can_stream(static_cast<X*>(dx), H)) {
       run(bwd_rows<true, X, Y>);

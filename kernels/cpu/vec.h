@@ -1,12 +1,13 @@
 // Blocks of one register's worth of floats as GCC/Clang vector types (4 at baseline SSE2, 8 with AVX2, 16
-// with AVX-512), plus exact element conversions and a vectorizable exp. Included only by kernels/cpu/*.cpp, inside no namespace.
+// with AVX-512), plus exact element conversions and a vectorizable exp. Included only by kernels/cpu/*.cpp,
+// inside no namespace.
 #pragma once
 
+#include <immintrin.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <immintrin.h>
 
 #include "kernels/cpu/kernels.h"
 
@@ -55,7 +56,9 @@ inline float f32_from_bits(uint32_t u) {
 }
 
 // bfloat16 is the high half of a float32; rounding is to nearest even as in torch, NaN stays a quiet NaN.
-inline float to_float(BFloat16 v) { return f32_from_bits(uint32_t(v.bits) << 16); }
+inline float to_float(BFloat16 v) {
+  return f32_from_bits(uint32_t(v.bits) << 16);
+}
 inline BFloat16 to_bf16(float f) {
   uint32_t u = f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40u)};
@@ -90,8 +93,12 @@ inline Float16 to_f16(float f) {
   }
   return Float16{static_cast<uint16_t>(out | sign)};
 }
-inline float to_float(float v) { return v; }
-inline double to_float(double v) { return v; }
+inline float to_float(float v) {
+  return v;
+}
+inline double to_float(double v) {
+  return v;
+}
 
 /// Calls f with a value of the element type for dtype (the one switch over dtypes in the kernels).
 template <class F>
@@ -167,8 +174,12 @@ inline VF load_native(const Float16* p) {
   return v;
 }
 
-inline void store_native(float* p, VF v) { std::memcpy(p, &v, sizeof v); }
-inline void store_native(double* p, VD v) { std::memcpy(p, &v, sizeof v); }
+inline void store_native(float* p, VF v) {
+  std::memcpy(p, &v, sizeof v);
+}
+inline void store_native(double* p, VD v) {
+  std::memcpy(p, &v, sizeof v);
+}
 // Round to nearest even on the bits; NaN becomes a quiet NaN with its sign. Only the high half of each lane
 // is the result (callers clear or shift out the low half).
 inline VU bf16_round_high(VF v) {
@@ -428,7 +439,9 @@ inline VF reciprocal(VF d) {
 #endif
   return madd(r, nmadd(d, r, VF{} + 1.0f), r);  // r + r (1 - d r)
 }
-inline VD reciprocal(VD d) { return 1.0 / d; }
+inline VD reciprocal(VD d) {
+  return 1.0 / d;
+}
 
 /// sigmoid = 1 / (1 + e^-x), for blocks and scalars.
 template <class V>
@@ -438,7 +451,9 @@ inline V sigmoid(V x) {
 inline float sigmoid_scalar(float x) {
   return 1.0f / (1.0f + exp_neg_scalar(x));
 }
-inline double sigmoid_scalar(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+inline double sigmoid_scalar(double x) {
+  return 1.0 / (1.0 + std::exp(-x));
+}
 
 }  // namespace KERNMAP_CPU_LEVEL
 }  // namespace kernmap::cpu

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "include/kernmap/models.h"
+#include "kernmap/models.h"
 
 namespace {
 

@@ -46,7 +46,7 @@ void register_once() {
     reference.has_backward = true;
     kernmap::register_kernel(reference);
     Text error;
-    const std::string d = json{{"name", "capi/norm"}, {"layer", "CapiNorm"}, {"devices", {"cpu"}},
+    const std::string d = json{{"name", "capi/norm"},   {"layer", "CapiNorm"},   {"devices", {"cpu"}},
                                {"dtypes", {"float32"}}, {"has_backward", false}, {"compile_safe", true}}
                               .dump();
     EXPECT_EQ(kernmap_register_kernel(d.c_str(), rejects_rank_one, &g_supports_calls, &error.p), KERNMAP_OK)
@@ -62,7 +62,9 @@ json resolve(const json& request) {
   return json::parse(out.str());
 }
 
-TEST(CApi, VersionMatchesHeader) { EXPECT_EQ(kernmap_c_api_version(), KERNMAP_C_API_VERSION); }
+TEST(CApi, VersionMatchesHeader) {
+  EXPECT_EQ(kernmap_c_api_version(), KERNMAP_C_API_VERSION);
+}
 
 TEST(CApi, KernelRegisteredThroughCIsSeenByCpp) {
   register_once();
@@ -74,7 +76,8 @@ TEST(CApi, KernelRegisteredThroughCIsSeenByCpp) {
   Text list, error;
   ASSERT_EQ(kernmap_list_kernels(&list.p, &error.p), KERNMAP_OK);
   bool found = false;
-  for (const auto& k : json::parse(list.str())) found |= k.at("name") == "capi/norm" && k.at("provider") == "capi";
+  for (const auto& k : json::parse(list.str()))
+    found |= k.at("name") == "capi/norm" && k.at("provider") == "capi";
   EXPECT_TRUE(found);
 }
 
@@ -85,7 +88,8 @@ TEST(CApi, MappingRegisteredThroughCResolvesInCppAndTheReverse) {
             KERNMAP_OK)
       << error.str();
   EXPECT_EQ(kernmap::resolve("CapiNorm", "cpu", kernmap::Mode::kInference).kernel->name, "capi/norm");
-  const json d = resolve({{"layer", "CapiNorm"}, {"device", "cpu"}, {"mode", "inference"}, {"dtype", "float32"}});
+  const json d =
+      resolve({{"layer", "CapiNorm"}, {"device", "cpu"}, {"mode", "inference"}, {"dtype", "float32"}});
   EXPECT_EQ(d.at("kernel"), "capi/norm");
   EXPECT_EQ(d.at("fallback"), false);
   EXPECT_EQ(d.at("source"), "user");
@@ -100,7 +104,8 @@ TEST(CApi, MappingRegisteredThroughCResolvesInCppAndTheReverse) {
 TEST(CApi, ReasonsForDtypeBackwardAndSupports) {
   register_once();
   Text error;
-  ASSERT_EQ(kernmap_register_mapping(R"({"CapiNorm": {"cpu": {"fallback": "capi/norm"}}})", &error.p), KERNMAP_OK);
+  ASSERT_EQ(kernmap_register_mapping(R"({"CapiNorm": {"cpu": {"fallback": "capi/norm"}}})", &error.p),
+            KERNMAP_OK);
   EXPECT_EQ(resolve({{"layer", "CapiNorm"}, {"device", "cpu"}, {"mode", "inference"}, {"dtype", "bfloat16"}})
                 .at("reason"),
             "dtype bfloat16 not supported by capi/norm");
@@ -124,12 +129,16 @@ TEST(CApi, ScopesArePerThreadAndEndByHandle) {
   ASSERT_EQ(kernmap_push_scope(R"({"CapiNorm": {"cpu": {"inference": "capi/norm"}}})", 1, &handle, &error.p),
             KERNMAP_OK)
       << error.str();
-  EXPECT_EQ(resolve({{"layer", "CapiNorm"}, {"device", "cpu"}, {"mode", "inference"}}).at("source"), "scoped");
+  EXPECT_EQ(resolve({{"layer", "CapiNorm"}, {"device", "cpu"}, {"mode", "inference"}}).at("source"),
+            "scoped");
   std::string other_thread;
-  std::thread([&] { other_thread = kernmap::resolve("CapiNorm", "cpu", kernmap::Mode::kInference).source; }).join();
+  std::thread([&] {
+    other_thread = kernmap::resolve("CapiNorm", "cpu", kernmap::Mode::kInference).source;
+  }).join();
   EXPECT_EQ(other_thread, "reference");
   ASSERT_EQ(kernmap_pop_scope(handle, &error.p), KERNMAP_OK);
-  EXPECT_EQ(resolve({{"layer", "CapiNorm"}, {"device", "cpu"}, {"mode", "inference"}}).at("source"), "reference");
+  EXPECT_EQ(resolve({{"layer", "CapiNorm"}, {"device", "cpu"}, {"mode", "inference"}}).at("source"),
+            "reference");
   Text again;
   EXPECT_EQ(kernmap_pop_scope(handle, &again.p), KERNMAP_INVALID_ARGUMENT);
   EXPECT_NE(again.str().find("is not an open scope"), std::string::npos);

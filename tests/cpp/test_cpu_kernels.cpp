@@ -1,5 +1,6 @@
-// The CPU kernels at every instruction-set level this machine runs, against the reference kernels, forward and
-// backward, per dtype, on odd sizes and strided inputs. (Python tests add gradcheck, opcheck and transformers.)
+// The CPU kernels at every instruction-set level this machine runs, against the reference kernels, forward
+// and backward, per dtype, on odd sizes and strided inputs. (Python tests add gradcheck, opcheck and
+// transformers.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -11,8 +12,8 @@
 #include <string>
 #include <tuple>
 
-#include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "tests/cpp/level_fixture.h"
 
@@ -48,7 +49,9 @@ Tol tol(at::ScalarType t) {
 }
 
 // Poisons freshly allocated memory so a kernel that skips an element cannot pass by luck.
-void poison_allocator() { at::empty({1 << 20}).fill_(std::numeric_limits<float>::quiet_NaN()); }
+void poison_allocator() {
+  at::empty({1 << 20}).fill_(std::numeric_limits<float>::quiet_NaN());
+}
 
 class CpuKernels : public kernmap::testing::LevelDtypeTest {};
 
@@ -126,31 +129,37 @@ TEST_P(CpuKernels, StreamingStoresWriteTheSameBits) {
       // Output buffers [rows, n] starting `offset` elements into a fresh allocation (64-byte aligned).
       auto out = [&](int64_t cols = -1) {
         cols = cols < 0 ? n : cols;
-        return at::full({rows * cols + offset}, 7.0, at::TensorOptions(dtype())).narrow(0, offset, rows * cols);
+        return at::full({rows * cols + offset}, 7.0, at::TensorOptions(dtype()))
+            .narrow(0, offset, rows * cols);
       };
       auto same = [&](const at::Tensor& a, const at::Tensor& b) {
-        EXPECT_TRUE(at::equal(a.view(a.element_size() == 8 ? at::kLong : a.element_size() == 4 ? at::kInt : at::kShort),
-                              b.view(b.element_size() == 8 ? at::kLong : b.element_size() == 4 ? at::kInt : at::kShort)));
+        EXPECT_TRUE(at::equal(a.view(a.element_size() == 8   ? at::kLong
+                                     : a.element_size() == 4 ? at::kInt
+                                                             : at::kShort),
+                              b.view(b.element_size() == 8   ? at::kLong
+                                     : b.element_size() == 4 ? at::kInt
+                                                             : at::kShort)));
       };
       std::vector<at::Tensor> results[2];
       for (bool stream : {false, true}) {
         auto& r = results[stream];
         at::Tensor y = out(), rstd = at::empty({rows}, at::TensorOptions(acc));
-        k.rms_norm_fwd(dt, dt, x.const_data_ptr(), n, w.const_data_ptr(), y.data_ptr(), rstd.data_ptr(), 0, rows, n,
-                       1e-6, stream);
+        k.rms_norm_fwd(dt, dt, x.const_data_ptr(), n, w.const_data_ptr(), y.data_ptr(), rstd.data_ptr(), 0,
+                       rows, n, 1e-6, stream);
         at::Tensor dx = out(), dw = at::zeros({n}, at::TensorOptions(acc));
-        k.rms_norm_bwd(dt, dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, w.const_data_ptr(), rstd.const_data_ptr(),
-                       dx.data_ptr(), dw.data_ptr(), 0, rows, n, stream);
+        k.rms_norm_bwd(dt, dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, w.const_data_ptr(),
+                       rstd.const_data_ptr(), dx.data_ptr(), dw.data_ptr(), 0, rows, n, stream);
         at::Tensor s = out(), ds = out(), sm = out();
         k.silu_fwd(dt, x.const_data_ptr(), n, s.data_ptr(), 0, rows, n, stream);
         k.silu_bwd(dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, ds.data_ptr(), 0, rows, n, stream);
-        k.silu_and_mul_fwd(dt, x.const_data_ptr(), n, u.const_data_ptr(), n, sm.data_ptr(), 0, rows, n, stream);
+        k.silu_and_mul_fwd(dt, x.const_data_ptr(), n, u.const_data_ptr(), n, sm.data_ptr(), 0, rows, n,
+                           stream);
         // Backward into a packed [rows, 2n] gradient, as swiglu_backward writes it.
         at::Tensor packed = out(2 * n);
         const int64_t half = n * packed.element_size();
         k.silu_and_mul_bwd(dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, u.const_data_ptr(), n,
-                           packed.data_ptr(), 2 * n, static_cast<char*>(packed.data_ptr()) + half, 2 * n, 0, rows,
-                           n, stream);
+                           packed.data_ptr(), 2 * n, static_cast<char*>(packed.data_ptr()) + half, 2 * n, 0,
+                           rows, n, stream);
         r = {y, rstd, dx, dw, s, ds, sm, packed};
       }
       for (size_t i = 0; i < results[0].size(); ++i) {
@@ -205,12 +214,14 @@ TEST_P(CpuKernels, LowPrecisionSiluMatchesEagerTorchBitForBit) {
 }
 
 TEST_P(CpuKernels, SiluHandlesExtremeInputs) {
-  at::Tensor x = at::tensor({-1e4, -100.0, -88.5, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.5, 100.0, 1e4}, at::kDouble)
-                     .to(dtype());
+  at::Tensor x =
+      at::tensor({-1e4, -100.0, -88.5, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.5, 100.0, 1e4}, at::kDouble)
+          .to(dtype());
   EXPECT_TRUE(close(kernmap::silu(x), kernmap::reference::silu(x), tol(dtype())));
-  at::Tensor special = at::tensor({std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()},
-                                  at::kDouble)
-                           .to(dtype());
+  at::Tensor special =
+      at::tensor({std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()},
+                 at::kDouble)
+          .to(dtype());
   at::Tensor s = kernmap::silu(special);
   EXPECT_TRUE(std::isinf(s[0].item<double>()));
   EXPECT_TRUE(std::isnan(s[1].item<double>()));
@@ -225,35 +236,35 @@ TEST_P(CpuKernels, GroupedMmBothLayoutsForwardBackwardMatchReference) {
     int64_t K, N;
   };
   for (const Shape& shape : {Shape{{5, 5, 23, 40}, 77, 70}, Shape{{0, 33, 33, 70}, 131, 200}})
-  for (bool transposed : {false, true}) {
-    SCOPED_TRACE(transposed ? "b transposed [E, N, K]" : "b [E, K, N]");
-    SCOPED_TRACE("K = " + std::to_string(shape.K) + ", N = " + std::to_string(shape.N));
-    const at::Tensor offs = at::tensor(shape.offs, at::kInt);
-    const int64_t T = shape.offs.back(), K = shape.K, N = shape.N;
-    const int64_t empty_group = shape.offs[0] == 0 ? 0 : 1;
-    at::Tensor a0 = at::randn({T, K}, at::kDouble).to(dtype());
-    at::Tensor b0 = transposed ? at::randn({4, N, K}, at::kDouble).to(dtype()).transpose(1, 2)
-                               : at::randn({4, K, N}, at::kDouble).to(dtype());
-    at::Tensor a = a0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
-    at::Tensor ar = a0.clone().requires_grad_(true), br = b0.clone().requires_grad_(true);
-    at::Tensor y = kernmap::grouped_mm(a, b, offs), yr = kernmap::reference::grouped_mm(ar, br, offs);
-    Tol t = tol(dtype());
-    Tol wide{t.rtol * 4, t.atol * 8};  // sums over K = 77 terms in low precision
-    ASSERT_TRUE(close(y, yr, wide));
-    at::Tensor dy = at::randn(y.sizes(), at::kDouble).to(dtype());
-    torch::autograd::backward({y}, {dy});
-    torch::autograd::backward({yr}, {dy});
-    EXPECT_TRUE(close(a.grad(), ar.grad(), wide));
-    EXPECT_TRUE(close(b.grad(), br.grad(), wide));
-    EXPECT_EQ(b.grad().select(0, empty_group).abs().sum().item<double>(), 0.0);
-  }
+    for (bool transposed : {false, true}) {
+      SCOPED_TRACE(transposed ? "b transposed [E, N, K]" : "b [E, K, N]");
+      SCOPED_TRACE("K = " + std::to_string(shape.K) + ", N = " + std::to_string(shape.N));
+      const at::Tensor offs = at::tensor(shape.offs, at::kInt);
+      const int64_t T = shape.offs.back(), K = shape.K, N = shape.N;
+      const int64_t empty_group = shape.offs[0] == 0 ? 0 : 1;
+      at::Tensor a0 = at::randn({T, K}, at::kDouble).to(dtype());
+      at::Tensor b0 = transposed ? at::randn({4, N, K}, at::kDouble).to(dtype()).transpose(1, 2)
+                                 : at::randn({4, K, N}, at::kDouble).to(dtype());
+      at::Tensor a = a0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+      at::Tensor ar = a0.clone().requires_grad_(true), br = b0.clone().requires_grad_(true);
+      at::Tensor y = kernmap::grouped_mm(a, b, offs), yr = kernmap::reference::grouped_mm(ar, br, offs);
+      Tol t = tol(dtype());
+      Tol wide{t.rtol * 4, t.atol * 8};  // sums over K = 77 terms in low precision
+      ASSERT_TRUE(close(y, yr, wide));
+      at::Tensor dy = at::randn(y.sizes(), at::kDouble).to(dtype());
+      torch::autograd::backward({y}, {dy});
+      torch::autograd::backward({yr}, {dy});
+      EXPECT_TRUE(close(a.grad(), ar.grad(), wide));
+      EXPECT_TRUE(close(b.grad(), br.grad(), wide));
+      EXPECT_EQ(b.grad().select(0, empty_group).abs().sum().item<double>(), 0.0);
+    }
 }
 
-// The forward's small-group path (groups under 64 rows, b in nn.Linear layout: the "NT" kernel) against float64
-// math, with an error bound per element: the output's rounding plus fp32 accumulation over K terms
-// (K * 2^-23 * sum_k |a_k b_k|; fp64 for float64). Group sizes straddle the kernels' 8-row groups, 32-row
-// passes and dot-product rows; K is odd (bf16 pairs, 16-step loops) and N leaves every column-block remainder;
-// b and a come strided.
+// The forward's small-group path (groups under 64 rows, b in nn.Linear layout: the "NT" kernel) against
+// float64 math, with an error bound per element: the output's rounding plus fp32 accumulation over K terms (K
+// * 2^-23 * sum_k |a_k b_k|; fp64 for float64). Group sizes straddle the kernels' 8-row groups, 32-row passes
+// and dot-product rows; K is odd (bf16 pairs, 16-step loops) and N leaves every column-block remainder; b and
+// a come strided.
 ::testing::AssertionResult within_bound(const at::Tensor& got, const at::Tensor& a, const at::Tensor& b,
                                         const at::Tensor& offs) {
   const at::Tensor ad = a.to(at::kDouble), bd = b.to(at::kDouble);
@@ -271,7 +282,8 @@ TEST_P(CpuKernels, GroupedMmBothLayoutsForwardBackwardMatchReference) {
   const double acc = got.scalar_type() == at::kDouble ? std::ldexp(1.0, -52) : std::ldexp(1.0, -23);
   // Plus half the spacing of the output's subnormals (fp16), or the smallest normal float where subnormals
   // are flushed (avx512bf16's bf16 rounding).
-  const double tiny = got.scalar_type() == at::kHalf ? std::ldexp(1.0, -25) : std::numeric_limits<float>::min();
+  const double tiny =
+      got.scalar_type() == at::kHalf ? std::ldexp(1.0, -25) : std::numeric_limits<float>::min();
   const at::Tensor bound = unit * ref.abs() + double(a.size(1)) * acc * mag + tiny;
   const at::Tensor err = (got.to(at::kDouble) - ref).abs();
   const at::Tensor over = err > bound;
@@ -279,15 +291,15 @@ TEST_P(CpuKernels, GroupedMmBothLayoutsForwardBackwardMatchReference) {
     return ::testing::AssertionSuccess();
   const int64_t i = (err - bound).argmax().item<int64_t>();
   const int64_t r = i / ref.size(1), c = i % ref.size(1);
-  return ::testing::AssertionFailure() << over.sum().item<int64_t>() << " elements over the bound; worst at ["
-                                       << r << ", " << c << "]: got " << got.to(at::kDouble)[r][c].item<double>()
-                                       << ", want " << ref[r][c].item<double>() << ", bound "
-                                       << bound[r][c].item<double>();
+  return ::testing::AssertionFailure()
+         << over.sum().item<int64_t>() << " elements over the bound; worst at [" << r << ", " << c
+         << "]: got " << got.to(at::kDouble)[r][c].item<double>() << ", want " << ref[r][c].item<double>()
+         << ", bound " << bound[r][c].item<double>();
 }
 
 TEST_P(CpuKernels, GroupedMmForwardSmallGroupsMatchFloat64) {
-  const std::vector<int> sizes = {0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19, 20,
-                                  23, 24, 25, 31, 32, 33, 34, 35, 40, 41, 47, 48, 57, 63, 0};
+  const std::vector<int> sizes = {0,  1,  2,  3,  4,  5,  7,  8,  9,  10, 11, 12, 13, 15, 16, 17, 18,
+                                  19, 20, 23, 24, 25, 31, 32, 33, 34, 35, 40, 41, 47, 48, 57, 63, 0};
   std::vector<int> ends;
   int total = 0;
   for (int n : sizes) ends.push_back(total += n);
@@ -297,7 +309,8 @@ TEST_P(CpuKernels, GroupedMmForwardSmallGroupsMatchFloat64) {
     for (int64_t N : {1, 53, 70})
       for (bool strided : {false, true}) {
         if (K == 1 && N == 70) continue;
-        SCOPED_TRACE("K = " + std::to_string(K) + ", N = " + std::to_string(N) + (strided ? ", strided" : ""));
+        SCOPED_TRACE("K = " + std::to_string(K) + ", N = " + std::to_string(N) +
+                     (strided ? ", strided" : ""));
         // b[e] = W[e]^T with W [E, N, K] rows K-contiguous; strided: rows K + 5 apart, a's rows K + 3 apart.
         at::Tensor W = at::randn({E, N, strided ? K + 5 : K}, at::kDouble).to(dtype()).narrow(2, 0, K);
         at::Tensor a = at::randn({T, strided ? K + 3 : K}, at::kDouble).to(dtype()).narrow(1, 0, K);
@@ -318,7 +331,7 @@ TEST_P(CpuKernels, GroupedMmForwardKeepsNonFiniteValuesInTheirRowAndColumn) {
   const at::Tensor y = kernmap::grouped_mm(a, W.transpose(1, 2), offs).to(at::kDouble);
   const at::Tensor bad = ~y.isfinite();
   at::Tensor expected = at::zeros({40, 29}, at::kBool);
-  expected[3].fill_(true);                         // row 3 (group 0) times every column
+  expected[3].fill_(true);                             // row 3 (group 0) times every column
   expected.slice(0, 17, 40).select(1, 5).fill_(true);  // column 5 of group 2's rows
   EXPECT_TRUE(at::equal(bad, expected)) << bad.nonzero();
 }
@@ -343,8 +356,8 @@ TEST_P(CpuKernels, GroupedMmForwardSameBitsAtAnyThreadCount) {
 // Whether two tensors hold the same bits (NaN payloads and signed zeros included).
 ::testing::AssertionResult same_bits(const at::Tensor& got, const at::Tensor& want) {
   if (got.scalar_type() != want.scalar_type() || got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << got.scalar_type() << got.sizes() << " vs " << want.scalar_type()
-                                         << want.sizes();
+    return ::testing::AssertionFailure()
+           << got.scalar_type() << got.sizes() << " vs " << want.scalar_type() << want.sizes();
   const auto as_int = [](const at::Tensor& t) {
     const int64_t size = t.element_size();
     return t.contiguous().view(size == 8 ? at::kLong : size == 4 ? at::kInt : at::kShort);
@@ -352,17 +365,19 @@ TEST_P(CpuKernels, GroupedMmForwardSameBitsAtAnyThreadCount) {
   const at::Tensor differ = as_int(got).ne(as_int(want));
   if (!differ.any().item<bool>()) return ::testing::AssertionSuccess();
   const int64_t i = differ.reshape(-1).nonzero()[0].item<int64_t>();
-  return ::testing::AssertionFailure() << differ.sum().item<int64_t>() << " elements differ; first at flat " << i
-                                       << ": got " << got.reshape(-1)[i].item<double>() << ", want "
-                                       << want.reshape(-1)[i].item<double>();
+  return ::testing::AssertionFailure()
+         << differ.sum().item<int64_t>() << " elements differ; first at flat " << i << ": got "
+         << got.reshape(-1)[i].item<double>() << ", want " << want.reshape(-1)[i].item<double>();
 }
 
-at::ScalarType acc_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+at::ScalarType acc_of(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 // The MoE combine kernel against its scalar math written in ATen ops (each an IEEE operation per element):
-// acc = +0; per slot in order: acc += round_T(row * w) (round_product), row * w, or row; out = round(acc). Rows
-// in a random order (pos a permutation), odd widths around the block sizes, k = 1, 2, 8, output in the rows'
-// dtype and in the accumulation type, the tokens split over two calls; element-wise bit-identical.
+// acc = +0; per slot in order: acc += round_T(row * w) (round_product), row * w, or row; out = round(acc).
+// Rows in a random order (pos a permutation), odd widths around the block sizes, k = 1, 2, 8, output in the
+// rows' dtype and in the accumulation type, the tokens split over two calls; element-wise bit-identical.
 TEST_P(CpuKernels, MoeCombineHasTheBitsOfTheScalarMath) {
   const auto& kern = kernmap::cpu::kernel_table();
   const at::ScalarType acc = acc_of(dtype());
@@ -394,15 +409,17 @@ TEST_P(CpuKernels, MoeCombineHasTheBitsOfTheScalarMath) {
           want = want.to(out_t);
           at::Tensor got = at::full({T, H}, std::numeric_limits<double>::quiet_NaN(), out_t);
           for (auto [t0, t1] : {std::pair<int64_t, int64_t>{0, 3}, {3, T}})
-            kern.moe_combine(kernmap::ops::cpu_dtype(dtype()), kernmap::ops::cpu_dtype(out_t), rows.const_data_ptr(),
-                             pos.const_data_ptr<int64_t>(), k, weighted ? w.const_data_ptr() : nullptr, round_product,
-                             got.data_ptr(), t0, t1, H);
+            kern.moe_combine(kernmap::ops::cpu_dtype(dtype()), kernmap::ops::cpu_dtype(out_t),
+                             rows.const_data_ptr(), pos.const_data_ptr<int64_t>(), k,
+                             weighted ? w.const_data_ptr() : nullptr, round_product, got.data_ptr(), t0, t1,
+                             H);
           EXPECT_TRUE(same_bits(got, want));
         }
 }
 
-// The combine's backward: d_rows[j] = round(grad[order[j] / k] * w[j]) bit for bit; d_w[j] = <grad row, row j>
-// against float64 within the bound of an fp32 (fp64) sum of H products in any order: H * 2^-23 * sum |g r|.
+// The combine's backward: d_rows[j] = round(grad[order[j] / k] * w[j]) bit for bit; d_w[j] = <grad row, row
+// j> against float64 within the bound of an fp32 (fp64) sum of H products in any order: H * 2^-23 * sum |g
+// r|.
 TEST_P(CpuKernels, MoeCombineBackwardMatchesScalarMathAndFloat64) {
   const auto& kern = kernmap::cpu::kernel_table();
   const at::ScalarType acc = acc_of(dtype());
@@ -437,7 +454,8 @@ TEST_P(CpuKernels, MoeCombineBackwardMatchesScalarMathAndFloat64) {
 TEST_P(CpuKernels, ExpertsSameBitsAtAnyThreadCount) {
   const int64_t T = 37, H = 67, E = 5, I = 24, k = 3;
   const at::Tensor hidden = at::randn({T, H}, at::kDouble).to(dtype());
-  const at::Tensor ids = at::argsort(at::rand({T, E}), /*dim=*/1, /*descending=*/false).narrow(1, 0, k).contiguous();
+  const at::Tensor ids =
+      at::argsort(at::rand({T, E}), /*dim=*/1, /*descending=*/false).narrow(1, 0, k).contiguous();
   const at::Tensor weights = at::rand({T, k}, at::kDouble).to(dtype());
   const at::Tensor gate_up = (0.2 * at::randn({E, 2 * I, H}, at::kDouble)).to(dtype());
   const at::Tensor down = (0.2 * at::randn({E, H, I}, at::kDouble)).to(dtype());
@@ -504,13 +522,20 @@ TEST(OpErrors, NameTheArgument) {
   };
   EXPECT_NE(message([&] { kernmap::rms_norm(x, at::ones({7}), 1e-6); }).find("weight must have shape [8]"),
             std::string::npos);
-  EXPECT_NE(message([&] { kernmap::rms_norm(x.to(at::kLong), at::ones({8}), 1e-6); }).find("x must be float32"),
+  EXPECT_NE(
+      message([&] { kernmap::rms_norm(x.to(at::kLong), at::ones({8}), 1e-6); }).find("x must be float32"),
+      std::string::npos);
+  EXPECT_NE(message([&] {
+              kernmap::silu_and_mul(x, at::randn({4, 9}));
+            }).find("up must have the shape of gate"),
             std::string::npos);
-  EXPECT_NE(message([&] { kernmap::silu_and_mul(x, at::randn({4, 9})); }).find("up must have the shape of gate"),
+  EXPECT_NE(
+      message([&] { kernmap::silu_and_mul(x, x.to(at::kBFloat16)); }).find("up must have the dtype of gate"),
+      std::string::npos);
+  EXPECT_NE(message([&] {
+              kernmap::swiglu(at::randn({4, 7}));
+            }).find("even last dimension"),
             std::string::npos);
-  EXPECT_NE(message([&] { kernmap::silu_and_mul(x, x.to(at::kBFloat16)); }).find("up must have the dtype of gate"),
-            std::string::npos);
-  EXPECT_NE(message([&] { kernmap::swiglu(at::randn({4, 7})); }).find("even last dimension"), std::string::npos);
 }
 
 }  // namespace

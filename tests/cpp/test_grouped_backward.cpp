@@ -1,7 +1,7 @@
 // The grouped backward products: the outer-product kernel (gemm_bcast) at every instruction-set level against
 // float64 math on the same inputs (edge sizes of its register blocks, reductions long enough to be blocked,
-// strided operands, streaming stores), and grouped_mm's gradients on uneven groups against a float64 per-group
-// reference, bit-identical at 1 and 2 threads.
+// strided operands, streaming stores), and grouped_mm's gradients on uneven groups against a float64
+// per-group reference, bit-identical at 1 and 2 threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -13,8 +13,8 @@
 #include <tuple>
 #include <vector>
 
-#include "include/kernmap/ops.h"
 #include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "tests/cpp/level_fixture.h"
 
@@ -35,13 +35,15 @@ double out_roundoff(at::ScalarType t) {
       return std::ldexp(1.0, -53);
   }
 }
-double acc_roundoff(at::ScalarType t) { return t == at::kDouble ? std::ldexp(1.0, -53) : std::ldexp(1.0, -24); }
+double acc_roundoff(at::ScalarType t) {
+  return t == at::kDouble ? std::ldexp(1.0, -53) : std::ldexp(1.0, -24);
+}
 
 class GemmBcast : public kernmap::testing::LevelDtypeTest {};
 
 struct Case {
   int64_t M, N, P;
-  bool a_transposed;  // A(m, p) at A[p * lda + m] (the weight gradients' x^T) instead of A[m * lda + p]
+  bool a_transposed;       // A(m, p) at A[p * lda + m] (the weight gradients' x^T) instead of A[m * lda + p]
   bool b_rows_4k = false;  // B's rows 4 KiB apart (the kernel copies such panels of short reductions)
 };
 
@@ -50,7 +52,8 @@ std::string describe(const Case& c) {
          (c.a_transposed ? " A transposed" : "") + (c.b_rows_4k ? " B rows 4 KiB apart" : "");
 }
 
-// Runs gemm_bcast on padded (strided) operands; C is [M, ldc] filled with NaN beyond what the kernel must write.
+// Runs gemm_bcast on padded (strided) operands; C is [M, ldc] filled with NaN beyond what the kernel must
+// write.
 struct Operands {
   at::Tensor a_store, b_store, c_store;  // the padded buffers
   at::Tensor A, B;                       // the logical [M, P] and [P, N] operands (views)
@@ -76,16 +79,16 @@ void call(const Case& c, Operands& r, at::ScalarType dt, int64_t m0, int64_t m1,
   const int64_t es = r.a_store.element_size();
   const char* a = static_cast<const char*>(r.a_store.const_data_ptr());
   const int64_t a_m = c.a_transposed ? 1 : r.lda, a_p = c.a_transposed ? r.lda : 1;
-  kernmap::cpu::kernel_table().gemm_bcast(kernmap::ops::cpu_dtype(dt), m1 - m0, c.N, c.P, a + m0 * a_m * es, a_m, a_p,
-                                          r.b_store.const_data_ptr(), r.ldb,
-                                          static_cast<char*>(r.c_store.data_ptr()) + m0 * r.ldc * es, r.ldc, stream);
+  kernmap::cpu::kernel_table().gemm_bcast(
+      kernmap::ops::cpu_dtype(dt), m1 - m0, c.N, c.P, a + m0 * a_m * es, a_m, a_p, r.b_store.const_data_ptr(),
+      r.ldb, static_cast<char*>(r.c_store.data_ptr()) + m0 * r.ldc * es, r.ldc, stream);
 }
 
 TEST_P(GemmBcast, MatchesFloat64OnEdgeSizesStridesAndBlockedReductions) {
   std::vector<Case> cases;
   // Rows around the 4-row register block, columns around the 16-lane vector and 64-column block, reduction
-  // lengths around the bf16 pairs, and reductions long enough to be split into blocks (2048 columns: blocks of
-  // 32 fp32 / 64 bf16 steps; 130 columns: blocks of 256 steps).
+  // lengths around the bf16 pairs, and reductions long enough to be split into blocks (2048 columns: blocks
+  // of 32 fp32 / 64 bf16 steps; 130 columns: blocks of 256 steps).
   for (int64_t M : {1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 200}) cases.push_back({M, 130, 17, false});
   for (int64_t N : {1, 15, 16, 17, 63, 64, 65, 130, 200}) cases.push_back({17, N, 63, false});
   for (int64_t P : {0, 1, 2, 15, 16, 17, 63, 64, 200}) cases.push_back({5, 200, P, false});
@@ -112,10 +115,12 @@ TEST_P(GemmBcast, MatchesFloat64OnEdgeSizesStridesAndBlockedReductions) {
     const at::Tensor want = at::mm(A, B);
     const at::Tensor scale = at::mm(A.abs(), B.abs());
     // Each element: fp32 sums of exact products (P roundings at most), then one rounding to the dtype.
-    const at::Tensor bound = want.abs() * out_roundoff(dtype()) * 1.01 + scale * (c.P + 1) * acc_roundoff(dtype());
+    const at::Tensor bound =
+        want.abs() * out_roundoff(dtype()) * 1.01 + scale * (c.P + 1) * acc_roundoff(dtype());
     const at::Tensor err = (got - want).abs();
     EXPECT_TRUE(err.le(bound).all().item<bool>())
-        << "max error " << err.max().item<double>() << ", bound there " << bound.flatten()[err.argmax()].item<double>();
+        << "max error " << err.max().item<double>() << ", bound there "
+        << bound.flatten()[err.argmax()].item<double>();
     // Nothing written past column N (the padding keeps its NaN).
     if (c.N < r.ldc) EXPECT_TRUE(r.c_store.slice(1, c.N).isnan().all().item<bool>());
   }
@@ -138,10 +143,11 @@ TEST_P(GemmBcast, ResultDoesNotDependOnTheRowSplitOrStreaming) {
   }
 }
 
-// bf16 short reductions read by 8 or more row blocks (the weight gradients of small groups) go through a panel
-// interleaved once instead of unpacked in each row block: the same products in the same order, so every row
-// matches a call over 4 rows (one row block, which unpacks) bit for bit, and float64 within the bound. Reduction
-// lengths around the pairs and up to the one-pass limit (256 steps at 128 columns) and past it (blocked).
+// bf16 short reductions read by 8 or more row blocks (the weight gradients of small groups) go through a
+// panel interleaved once instead of unpacked in each row block: the same products in the same order, so every
+// row matches a call over 4 rows (one row block, which unpacks) bit for bit, and float64 within the bound.
+// Reduction lengths around the pairs and up to the one-pass limit (256 steps at 128 columns) and past it
+// (blocked).
 TEST_P(GemmBcast, ShortReductionsOfManyRowBlocksMatchSmallCallsBitForBit) {
   for (int64_t M : {29, 32, 35, 64})
     for (int64_t P : {1, 2, 3, 16, 17, 64, 255, 256, 257})
@@ -154,15 +160,16 @@ TEST_P(GemmBcast, ShortReductionsOfManyRowBlocksMatchSmallCallsBitForBit) {
           call(c, whole, dtype(), 0, c.M, /*stream=*/false);
           Operands small = whole;
           small.c_store = at::full_like(whole.c_store, std::numeric_limits<double>::quiet_NaN());
-          for (int64_t m = 0; m < c.M; m += 4) call(c, small, dtype(), m, std::min(m + 4, c.M), /*stream=*/false);
+          for (int64_t m = 0; m < c.M; m += 4)
+            call(c, small, dtype(), m, std::min(m + 4, c.M), /*stream=*/false);
           EXPECT_TRUE(at::equal(whole.c_store.slice(1, 0, c.N), small.c_store.slice(1, 0, c.N)));
           EXPECT_TRUE(whole.c_store.slice(1, c.N).isnan().all().item<bool>());
           const at::Tensor A = whole.A.to(at::kDouble), B = whole.B.to(at::kDouble);
           const at::Tensor want = at::mm(A, B), scale = at::mm(A.abs(), B.abs());
           // Plus half the least fp16 subnormal: single products of two normal samples land there (P = 1).
           const double subnormal = dtype() == at::kHalf ? std::ldexp(1.0, -25) : 0.0;
-          const at::Tensor bound =
-              want.abs() * out_roundoff(dtype()) * 1.01 + scale * (c.P + 1) * acc_roundoff(dtype()) + subnormal;
+          const at::Tensor bound = want.abs() * out_roundoff(dtype()) * 1.01 +
+                                   scale * (c.P + 1) * acc_roundoff(dtype()) + subnormal;
           const at::Tensor err = (whole.c_store.slice(1, 0, c.N).to(at::kDouble) - want).abs();
           EXPECT_TRUE(err.le(bound).all().item<bool>()) << "max error " << err.max().item<double>();
         }
@@ -181,8 +188,9 @@ INSTANTIATE_TEST_SUITE_P(AllLevels, GemmBcast, ::testing::ValuesIn(params()), []
          std::string(c10::toString(std::get<1>(info.param)));
 });
 
-// grouped_mm's gradients, group sizes around every block and the bf16 BLAS threshold (64 rows), an empty group;
-// both weight layouts ([E, K, N], and [E, N, K] viewed transposed: the Experts layer's), a and grad strided.
+// grouped_mm's gradients, group sizes around every block and the bf16 BLAS threshold (64 rows), an empty
+// group; both weight layouts ([E, K, N], and [E, N, K] viewed transposed: the Experts layer's), a and grad
+// strided.
 class GroupedBackward : public ::testing::TestWithParam<at::ScalarType> {};
 
 TEST_P(GroupedBackward, GradientsMatchFloat64AndAreBitIdenticalAcrossThreadCounts) {
@@ -240,7 +248,8 @@ TEST_P(GroupedBackward, GradientsMatchFloat64AndAreBitIdenticalAcrossThreadCount
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, GroupedBackward, ::testing::Values(at::kFloat, at::kBFloat16, at::kHalf, at::kDouble),
+INSTANTIATE_TEST_SUITE_P(Dtypes, GroupedBackward,
+                         ::testing::Values(at::kFloat, at::kBFloat16, at::kHalf, at::kDouble),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
 }  // namespace

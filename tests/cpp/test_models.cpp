@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <map>
 
-#include "include/kernmap/models.h"
+#include "kernmap/models.h"
 
 namespace kernmap {
 namespace {
@@ -89,7 +89,8 @@ TEST(Kernelize, WithoutFallbackAnUnmappedLayerIsAnErrorAndNothingIsRebound) {
 }
 
 TEST(Kernelize, AKernelWhoseOpHasAnotherSignatureFallsBackWithTheReason) {
-  KernelDescriptor wrong;  // an RMSNorm kernel whose torch op is SiLU's: bound, it would compute the wrong thing
+  KernelDescriptor
+      wrong;  // an RMSNorm kernel whose torch op is SiLU's: bound, it would compute the wrong thing
   wrong.name = "test/wrong_op";
   wrong.layer = "RMSNorm";
   wrong.devices = {"cpu"};
