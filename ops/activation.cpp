@@ -1,5 +1,6 @@
-// kernmap::silu, kernmap::silu_and_mul and kernmap::swiglu: checks, CPU implementations over kernels/cpu,
-// Meta shapes, and autograd.
+// The SiLU and SiluAndMul layers: kernmap::silu, kernmap::silu_and_mul and its packed form kernmap::swiglu
+// (checks, CPU implementations over kernels/cpu, Meta shapes, autograd), their reference kernels, and the two
+// layer records.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -249,6 +250,81 @@ TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
   m.impl("silu_and_mul", &silu_and_mul_autograd);
   m.impl("swiglu", &swiglu_autograd);
 }
+
+}  // namespace kernmap::ops
+
+// ---- reference kernels: the transformers eager math in ATen ops (any device, autograd through ATen) ----
+
+namespace kernmap::reference {
+
+// ACT2FN["silu"]: torch evaluates it in float32 for reduced-precision inputs and rounds once.
+at::Tensor silu(const at::Tensor& x) {
+  return at::silu(x);
+}
+
+// The gated MLP's act_fn(gate_proj(x)) * up_proj(x): two roundings in x's dtype.
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
+  ops::check_same_shape("reference_silu_and_mul", "gate", gate, "up", up);
+  return at::silu(gate) * up;
+}
+
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "kernmap.reference_swiglu: gate_up must be [..., 2I] with an even last dimension, got ",
+              gate_up.sizes());
+  auto halves = gate_up.chunk(2, -1);
+  return at::silu(halves[0]) * halves[1];
+}
+
+}  // namespace kernmap::reference
+
+namespace kernmap::ops {
+
+TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
+  m.impl("reference_silu", &kernmap::reference::silu);
+  m.impl("reference_silu_and_mul", &kernmap::reference::silu_and_mul);
+  m.impl("reference_swiglu", &kernmap::reference::swiglu);
+}
+
+// The layer record: every kernel of the layer and where it is the default (DESIGN §2), registered at
+// load.
+const LayerRegistrar kSiLULayer("SiLU",
+                                KernelDescriptor{.name = "reference/silu",
+                                                 .devices = {"*"},
+                                                 .dtypes = floating_dtypes(),
+                                                 .has_backward = true,
+                                                 .compile_safe = true,
+                                                 .op = "kernmap::reference_silu",
+                                                 .description = "torch.nn.functional.silu"},
+                                {{KernelDescriptor{
+                                      .name = "kernmap/silu",
+                                      .devices = {"cpu"},
+                                      .dtypes = floating_dtypes(),
+                                      .has_backward = true,
+                                      .compile_safe = true,
+                                      .op = "kernmap::silu",
+                                      .description = "one-pass SiLU, SIMD level chosen at run time",
+                                      .supports = needs_rank_at_least_1},
+                                  /*default_on=*/{"cpu"}}});
+
+const LayerRegistrar kSiluAndMulLayer("SiluAndMul",
+                                      KernelDescriptor{.name = "reference/silu_and_mul",
+                                                       .devices = {"*"},
+                                                       .dtypes = floating_dtypes(),
+                                                       .has_backward = true,
+                                                       .compile_safe = true,
+                                                       .op = "kernmap::reference_silu_and_mul",
+                                                       .description = "silu(gate) * up (ATen ops)"},
+                                      {{KernelDescriptor{
+                                            .name = "kernmap/silu_and_mul",
+                                            .devices = {"cpu"},
+                                            .dtypes = floating_dtypes(),
+                                            .has_backward = true,
+                                            .compile_safe = true,
+                                            .op = "kernmap::silu_and_mul",
+                                            .description = "fused silu(gate) * up, one pass each way",
+                                            .supports = needs_rank_at_least_1},
+                                        /*default_on=*/{"cpu"}}});
 
 }  // namespace kernmap::ops
 

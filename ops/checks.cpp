@@ -6,6 +6,17 @@
 
 namespace kernmap::ops {
 
+const std::vector<std::string>& floating_dtypes() {
+  static const std::vector<std::string> dtypes = {"float32", "bfloat16", "float16", "float64"};
+  return dtypes;
+}
+
+std::optional<std::string> needs_rank_at_least_1(const KernelInputs& inputs) {
+  for (const auto& shape : inputs.shapes)
+    if (shape.empty()) return "0-d input (needs [..., H])";
+  return std::nullopt;
+}
+
 Rows as_rows(const at::Tensor& t) {
   const int64_t d = t.dim();
   const int64_t cols = d == 0 ? 1 : t.size(-1);

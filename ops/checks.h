@@ -5,7 +5,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "kernels/cpu/kernels.h"
+#include "kernmap/registry.h"
 
 namespace kernmap::ops {
 
@@ -42,6 +47,12 @@ template <class Sig>
 c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
+
+/// The dtypes every built-in kernel computes in: float32, bfloat16, float16, float64. (A function: the layer
+/// records that read it are constructed while the library loads, in no set order across files.)
+const std::vector<std::string>& floating_dtypes();
+/// A descriptor's supports(): the row kernels need inputs of rank >= 1 ([..., H]).
+std::optional<std::string> needs_rank_at_least_1(const KernelInputs& inputs);
 
 /// Rows per at::parallel_for chunk so each chunk has at least ~32 K elements.
 int64_t row_grain(int64_t cols);

@@ -1,7 +1,7 @@
-// kernmap::experts: a MoE layer's expert MLPs in the transformers 5.x layout, as sorted-token grouped
-// products: sort the (token, slot) pairs by expert (a stable counting sort: deterministic), gather, grouped
-// gate_up product, fused SiLU-and-mul, grouped down product, weighted combine in fp32. Forward, backward,
-// Meta, autograd.
+// The Experts layer. kernmap::experts: a MoE layer's expert MLPs in the transformers 5.x layout, as
+// sorted-token grouped products: sort the (token, slot) pairs by expert (a stable counting sort:
+// deterministic), gather, grouped gate_up product, fused SiLU-and-mul, grouped down product, weighted combine
+// in fp32. Forward, backward, Meta, autograd; its reference kernel (the eager loop) and the layer record.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -292,6 +292,64 @@ TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
 TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
   m.impl("experts", &experts_autograd);
 }
+
+}  // namespace kernmap::ops
+
+// ---- reference kernels: the transformers eager math in ATen ops (any device, autograd through ATen) ----
+
+namespace kernmap::reference {
+
+// The eager experts loop of transformers 5.x (Qwen2MoeExperts.forward): per expert hit, gather its tokens in
+// (slot, token) order, gate_up product, act(gate) * up, down product, routing weight, index_add.
+at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   const at::Tensor& gate_up_proj, const at::Tensor& down_proj) {
+  at::Tensor out = at::zeros_like(hidden);
+  const at::Tensor ids_by_slot = topk_ids.t();  // [k, T], as expert_mask[e] in transformers
+  for (int64_t e = 0; e < gate_up_proj.size(0); ++e) {
+    const at::Tensor hit = ids_by_slot.eq(e).nonzero();  // rows of (slot, token)
+    if (hit.size(0) == 0) continue;
+    const at::Tensor slot = hit.select(1, 0), token = hit.select(1, 1);
+    const at::Tensor current = hidden.index_select(0, token);
+    const auto gate_up = at::linear(current, gate_up_proj.select(0, e)).chunk(2, -1);
+    at::Tensor h = at::silu(gate_up[0]) * gate_up[1];
+    h = at::linear(h, down_proj.select(0, e));
+    h = h * topk_weights.index({token, slot}).unsqueeze(-1);
+    out = out.index_add(0, token, h.to(out.scalar_type()));
+  }
+  return out;
+}
+
+}  // namespace kernmap::reference
+
+namespace kernmap::ops {
+
+TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
+  m.impl("reference_experts", &kernmap::reference::experts);
+}
+
+// The layer record: every kernel of the layer and where it is the default (DESIGN §2), registered at
+// load.
+// The eager loop finds each expert's tokens on the host: data-dependent, so the reference is not
+// compile-safe.
+const LayerRegistrar kExpertsLayer(
+    "Experts",
+    KernelDescriptor{.name = "reference/experts",
+                     .devices = {"*"},
+                     .dtypes = floating_dtypes(),
+                     .has_backward = true,
+                     .compile_safe = false,
+                     .op = "kernmap::reference_experts",
+                     .description = "transformers eager experts loop"},
+    {{KernelDescriptor{
+          .name = "kernmap/experts",
+          .devices = {"cpu"},
+          .dtypes = floating_dtypes(),
+          .has_backward = true,
+          .compile_safe = true,
+          .op = "kernmap::experts",
+          .description = "sorted-token grouped products, fused SiLU-and-mul, deterministic combine",
+          .supports = needs_rank_at_least_1},
+      /*default_on=*/{"cpu"}}});
 
 }  // namespace kernmap::ops
 

@@ -1,5 +1,5 @@
-// kernmap::grouped_mm: checks, the CPU implementation (one BLAS product per group x tile, spread over the
-// intra-op pool), Meta shapes, and autograd.
+// The GroupedMM layer: kernmap::grouped_mm (checks, the CPU implementation over (group x tile) tasks on the
+// intra-op pool, Meta shapes, autograd), its reference kernel, and the layer record.
 #include "ops/grouped_mm.h"
 
 #include <ATen/ATen.h>
@@ -416,6 +416,62 @@ TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
 TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
   m.impl("grouped_mm", &grouped_mm_autograd);
 }
+
+}  // namespace kernmap::ops
+
+// ---- reference kernels: the transformers eager math in ATen ops (any device, autograd through ATen) ----
+
+namespace kernmap::reference {
+
+// transformers.integrations.moe's fallback: one matrix product per group.
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 3,
+              "kernmap.reference_grouped_mm: a must be [T, K] and b [E, K, N], got ", a.sizes(), " and ",
+              b.sizes());
+  ops::check_offs("reference_grouped_mm", offs, b.size(0), a.size(0), a);
+  const at::Tensor ends = offs.to(at::kCPU);
+  // unbind, not select: its backward stacks the per-group gradients once, as transformers' fallback backward
+  // fills one zeros_like(weight); select's would materialize a full-size gradient per group.
+  const std::vector<at::Tensor> groups = b.unbind(0);
+  std::vector<at::Tensor> pieces;
+  int64_t start = 0;
+  for (int64_t e = 0; e < b.size(0); ++e) {
+    const int64_t end = ends[e].item<int64_t>();
+    pieces.push_back(at::mm(a.slice(0, start, end), groups[e]));
+    start = end;
+  }
+  return pieces.empty() ? at::empty({0, b.size(2)}, a.options()) : at::cat(pieces, 0);
+}
+
+}  // namespace kernmap::reference
+
+namespace kernmap::ops {
+
+TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
+  m.impl("reference_grouped_mm", &kernmap::reference::grouped_mm);
+}
+
+// The layer record: every kernel of the layer and where it is the default (DESIGN §2), registered at
+// load.
+// The per-group loop reads offs on the host: data-dependent, so the reference is not compile-safe.
+const LayerRegistrar kGroupedMMLayer(
+    "GroupedMM",
+    KernelDescriptor{.name = "reference/grouped_mm",
+                     .devices = {"*"},
+                     .dtypes = floating_dtypes(),
+                     .has_backward = true,
+                     .compile_safe = false,
+                     .op = "kernmap::reference_grouped_mm",
+                     .description = "one matrix product per group (transformers' fallback loop)"},
+    {{KernelDescriptor{.name = "kernmap/grouped_mm",
+                       .devices = {"cpu"},
+                       .dtypes = floating_dtypes(),
+                       .has_backward = true,
+                       .compile_safe = true,
+                       .op = "kernmap::grouped_mm",
+                       .description = "grouped product over (group x tile) tasks on the intra-op pool",
+                       .supports = needs_rank_at_least_1},
+      /*default_on=*/{"cpu"}}});
 
 }  // namespace kernmap::ops
 

@@ -1,5 +1,6 @@
-// Every kernmap op schema, in one place. Implementations register beside their kernels (TORCH_LIBRARY_IMPL in
-// ops/rms_norm.cpp, ops/activation.cpp, ops/reference.cpp).
+// Every kernmap op schema, in one place. Implementations register beside their kernels: each layer's file in
+// ops/ holds its TORCH_LIBRARY_IMPL blocks (CPU, Meta, Autograd, and CompositeImplicitAutograd for the
+// reference) and its layer record (docs/adding-a-kernel.md).
 #include <torch/library.h>
 
 TORCH_LIBRARY(kernmap, m) {

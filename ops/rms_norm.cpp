@@ -1,4 +1,5 @@
-// kernmap::rms_norm: input checks, the CPU implementation over kernels/cpu, Meta shapes, and autograd.
+// The RMSNorm layer: kernmap::rms_norm (input checks, the CPU implementation over kernels/cpu, Meta shapes,
+// autograd), its reference kernel, and the layer record.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -166,6 +167,52 @@ TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
 TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
   m.impl("rms_norm", &rms_norm_autograd);
 }
+
+}  // namespace kernmap::ops
+
+// ---- reference kernels: the transformers eager math in ATen ops (any device, autograd through ATen) ----
+
+namespace kernmap::reference {
+
+// Qwen2RMSNorm.forward. float64 input is kept in float64 (transformers casts it to float32), so float64
+// checks measure the kernels rather than the downcast.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::ScalarType compute = at::promote_types(at::kFloat, x.scalar_type());
+  at::Tensor h = x.to(compute);
+  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * at::rsqrt(variance + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+}  // namespace kernmap::reference
+
+namespace kernmap::ops {
+
+TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
+  m.impl("reference_rms_norm", &kernmap::reference::rms_norm);
+}
+
+// The layer record: every kernel of the layer and where it is the default (DESIGN §2), registered at
+// load.
+const LayerRegistrar kRMSNormLayer(
+    "RMSNorm",
+    KernelDescriptor{.name = "reference/rms_norm",
+                     .devices = {"*"},
+                     .dtypes = floating_dtypes(),
+                     .has_backward = true,
+                     .compile_safe = true,
+                     .op = "kernmap::reference_rms_norm",
+                     .description = "transformers eager RMSNorm (ATen ops)"},
+    {{KernelDescriptor{
+          .name = "kernmap/rms_norm",
+          .devices = {"cpu"},
+          .dtypes = floating_dtypes(),
+          .has_backward = true,
+          .compile_safe = true,
+          .op = "kernmap::rms_norm",
+          .description = "fused one-pass RMSNorm, fp32 accumulation, SIMD level chosen at run time",
+          .supports = needs_rank_at_least_1},
+      /*default_on=*/{"cpu"}}});
 
 }  // namespace kernmap::ops
 

@@ -109,6 +109,15 @@ const KernelDescriptor* reference_kernel(const std::string& layer) {
   return it == table.reference_by_layer.end() ? nullptr : it->second;
 }
 
+std::vector<std::string> registered_layers() {
+  KernelTable& table = kernel_table();
+  std::shared_lock lock(table.mutex);
+  std::vector<std::string> layers;
+  layers.reserve(table.reference_by_layer.size());
+  for (const auto& [layer, reference] : table.reference_by_layer) layers.push_back(layer);
+  return layers;
+}
+
 std::string to_string(Mode mode) {
   for (const auto& [value, spelling] : kModeSpellings) {
     if (value == mode) return spelling;

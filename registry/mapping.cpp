@@ -177,12 +177,8 @@ bool default_maps(const std::string& layer, const std::string& device) {
 }
 
 std::string unknown_layer_message(const std::string& layer) {
-  std::set<std::string> known;
-  for (const KernelDescriptor* kernel : registered_kernels()) {
-    if (kernel->provider() == "reference") known.insert(kernel->layer);
-  }
   std::string list;
-  for (const std::string& name : known) list += (list.empty() ? "" : ", ") + name;
+  for (const std::string& name : registered_layers()) list += (list.empty() ? "" : ", ") + name;
   return "unknown layer '" + layer + "' (known: " + (list.empty() ? "none" : list) + ")";
 }
 

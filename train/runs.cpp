@@ -71,10 +71,14 @@ double percentile(std::vector<double> v, double q) {
   return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
 }
 
-bool has_layer(torch::nn::Module& model, const std::string& name) {
+// The layers the model's kernel layers bear, each once, in the order they first appear in the model.
+std::vector<std::string> layers_of(torch::nn::Module& model) {
+  std::vector<std::string> names;
   for (const auto& m : model.modules())
-    if (auto* layer = dynamic_cast<KernelLayer*>(m.get()); layer && layer->layer_name() == name) return true;
-  return false;
+    if (auto* layer = dynamic_cast<KernelLayer*>(m.get());
+        layer && std::find(names.begin(), names.end(), layer->layer_name()) == names.end())
+      names.push_back(layer->layer_name());
+  return names;
 }
 
 }  // namespace
@@ -121,10 +125,8 @@ std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>
     rows.push_back({std::move(name), std::move(set)});
   };
   add_row("original", {});
-  auto probe = make_model();
-  for (const char* layer : {"RMSNorm", "SiluAndMul", "Experts"})
-    if (layers.count(layer) && has_layer(*probe, layer)) add_row(std::string("+") + layer, {layer});
-  probe.reset();
+  for (const std::string& layer : layers_of(*make_model()))
+    if (layers.count(layer)) add_row("+" + layer, {layer});
   LayerSet all;
   for (const auto& row : rows) all.insert(row.layers.begin(), row.layers.end());
   add_row("all", all);

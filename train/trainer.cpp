@@ -108,7 +108,8 @@ void Trainer::load_checkpoint(const std::string& dir) {
 }
 
 LayerSet parse_kernels(const std::string& text) {
-  const LayerSet known = {"RMSNorm", "SiluAndMul", "Experts"};
+  const std::vector<std::string> layers = registered_layers();
+  const LayerSet known(layers.begin(), layers.end());
   if (text == "all") return known;
   if (text == "none") return {};
   LayerSet out;
@@ -116,9 +117,12 @@ LayerSet parse_kernels(const std::string& text) {
   while (start <= text.size()) {
     const size_t end = std::min(text.find(',', start), text.size());
     const std::string name = text.substr(start, end - start);
-    if (!known.count(name))
+    if (!known.count(name)) {
+      std::string list;
+      for (const std::string& layer : layers) list += (list.empty() ? "" : ", ") + layer;
       throw std::invalid_argument("--kernels: unknown layer '" + name +
-                                  "' (expected all, none or a comma list of RMSNorm, SiluAndMul, Experts)");
+                                  "' (expected all, none or a comma list of " + list + ")");
+    }
     out.insert(name);
     start = end + 1;
   }

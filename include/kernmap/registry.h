@@ -76,9 +76,30 @@ const KernelDescriptor* find_kernel(const std::string& name);
 std::vector<const KernelDescriptor*> registered_kernels();
 /// The reference kernel of a layer (the one whose provider is "reference"), or nullptr for an unknown layer.
 const KernelDescriptor* reference_kernel(const std::string& layer);
+/// Every layer, sorted by name: the layers that have a reference kernel. The one list of layers that
+/// kernelize, the trainer's --kernels, ablate's rows and `kernmap kernels` read.
+std::vector<std::string> registered_layers();
 
 /// layer -> device -> mode -> kernel name.
 using Mapping = std::map<std::string, std::map<std::string, std::map<Mode, std::string>>>;
+
+/// A kernel of a LayerRegistrar: its descriptor (`layer` may be left empty: the record's layer is used) and
+/// the devices where it is the built-in default, for every mode it qualifies for (the training modes need
+/// has_backward, the +compile modes compile_safe).
+struct KernelRecord {
+  KernelDescriptor descriptor;
+  std::vector<std::string> default_on;
+};
+
+/// The one record of a built-in layer, declared as a namespace-scope constant beside the layer's ops (the
+/// file holding their TORCH_LIBRARY_IMPL blocks): the layer's reference kernel and its other kernels with the
+/// devices each is the default on, all registered when the library loads. Throws (at load) as
+/// register_kernel and register_default_mapping do, so a malformed record fails every test at once.
+class LayerRegistrar {
+ public:
+  LayerRegistrar(const std::string& layer, KernelDescriptor reference,
+                 std::vector<KernelRecord> kernels = {});
+};
 
 /// Adds user registrations (merged per (layer, device): a new entry for a pair replaces the old one). Throws
 /// std::invalid_argument naming the first unknown layer or kernel, or a kernel registered for another layer.

@@ -149,8 +149,8 @@ class Trainer {
   int64_t step_ = 0;
 };
 
-/// The layers a run kernelizes: a subset of {"RMSNorm", "SiluAndMul", "Experts"}; the rest stay on their
-/// reference kernels.
+/// The layers a run kernelizes: a subset of registered_layers() ("RMSNorm", "SiluAndMul", "Experts", ...);
+/// the rest stay on their reference kernels.
 using LayerSet = std::set<std::string>;
 /// "all", "none" or a comma list of layer names; throws std::invalid_argument for an unknown name.
 LayerSet parse_kernels(const std::string& text);

@@ -8,18 +8,16 @@
 namespace kernmap::cpu {
 namespace {
 
-#define KERNMAP_TABLE(ns, lvl)                                                                       \
-  KernelTable {                                                                                      \
-    lvl, &ns::rms_norm_fwd, &ns::rms_norm_bwd, &ns::silu_fwd, &ns::silu_bwd, &ns::silu_and_mul_fwd,  \
-        &ns::silu_and_mul_bwd, &ns::gemm_nt, &ns::gemm_bcast, &ns::moe_combine, &ns::moe_combine_bwd \
-  }
-const KernelTable kTables[] = {
-    KERNMAP_TABLE(baseline, Level::kBaseline),
-    KERNMAP_TABLE(avx2, Level::kAvx2),
-    KERNMAP_TABLE(avx512, Level::kAvx512),
-    KERNMAP_TABLE(avx512bf16, Level::kAvx512Bf16),
+struct LevelTable {
+  Level level;
+  const char* name;
+  const KernelTable* table;
 };
-#undef KERNMAP_TABLE
+// Lowest level first, in the order of Level.
+constexpr LevelTable kLevels[] = {{Level::kBaseline, "baseline", &baseline::kTable},
+                                  {Level::kAvx2, "avx2", &avx2::kTable},
+                                  {Level::kAvx512, "avx512", &avx512::kTable},
+                                  {Level::kAvx512Bf16, "avx512bf16", &avx512bf16::kTable}};
 
 // __builtin_cpu_supports also checks that the OS saves the wider registers (XGETBV).
 bool cpu_runs(Level level) {
@@ -66,25 +64,25 @@ Level initial_level() {
   return *want;
 }
 
-std::atomic<const KernelTable*>& active() {
-  static std::atomic<const KernelTable*> table{&kTables[static_cast<int>(initial_level())]};
-  return table;
+std::atomic<const LevelTable*>& active() {
+  static std::atomic<const LevelTable*> level{&kLevels[static_cast<int>(initial_level())]};
+  return level;
 }
 
 }  // namespace
 
 const KernelTable& kernel_table() {
-  return *active().load(std::memory_order_acquire);
+  return *active().load(std::memory_order_acquire)->table;
 }
 
 Level active_level() {
-  return kernel_table().level;
+  return active().load(std::memory_order_acquire)->level;
 }
 
 std::vector<Level> supported_levels() {
   std::vector<Level> out;
-  for (const KernelTable& t : kTables)
-    if (cpu_runs(t.level)) out.push_back(t.level);
+  for (const LevelTable& l : kLevels)
+    if (cpu_runs(l.level)) out.push_back(l.level);
   return out;
 }
 
@@ -92,26 +90,16 @@ void set_level(Level level) {
   if (!cpu_runs(level))
     throw std::invalid_argument(std::string("kernmap: CPU level ") + level_name(level) +
                                 " is not supported by this CPU (best: " + level_name(best_level()) + ")");
-  active().store(&kTables[static_cast<int>(level)], std::memory_order_release);
+  active().store(&kLevels[static_cast<int>(level)], std::memory_order_release);
 }
 
 const char* level_name(Level level) {
-  switch (level) {
-    case Level::kBaseline:
-      return "baseline";
-    case Level::kAvx2:
-      return "avx2";
-    case Level::kAvx512:
-      return "avx512";
-    case Level::kAvx512Bf16:
-      return "avx512bf16";
-  }
-  return "unknown";
+  return kLevels[static_cast<int>(level)].name;
 }
 
 std::optional<Level> parse_level(const std::string& name) {
-  for (const KernelTable& t : kTables)
-    if (name == level_name(t.level)) return t.level;
+  for (const LevelTable& l : kLevels)
+    if (name == l.name) return l.level;
   return std::nullopt;
 }
 

@@ -16,20 +16,26 @@ namespace kernmap::cpu {
 /// flushes subnormal floats to zero (see round_block in vec.h); it is otherwise identical to avx512.
 enum class Level { kBaseline, kAvx2, kAvx512, kAvx512Bf16 };
 
-/// The entry points of one level.
+/// The entry points of one level: a member per line of entry_points.h.
 struct KernelTable {
-  Level level;
-  decltype(&baseline::rms_norm_fwd) rms_norm_fwd;
-  decltype(&baseline::rms_norm_bwd) rms_norm_bwd;
-  decltype(&baseline::silu_fwd) silu_fwd;
-  decltype(&baseline::silu_bwd) silu_bwd;
-  decltype(&baseline::silu_and_mul_fwd) silu_and_mul_fwd;
-  decltype(&baseline::silu_and_mul_bwd) silu_and_mul_bwd;
-  decltype(&baseline::gemm_nt) gemm_nt;
-  decltype(&baseline::gemm_bcast) gemm_bcast;
-  decltype(&baseline::moe_combine) moe_combine;
-  decltype(&baseline::moe_combine_bwd) moe_combine_bwd;
+#define KERNMAP_CPU_MEMBER(name, ret, params) ret(*name) params;
+  KERNMAP_CPU_ENTRY_POINTS(KERNMAP_CPU_MEMBER)
+#undef KERNMAP_CPU_MEMBER
 };
+
+/// Each level's table, defined in table.cpp (compiled once per level).
+namespace baseline {
+extern const KernelTable kTable;
+}
+namespace avx2 {
+extern const KernelTable kTable;
+}
+namespace avx512 {
+extern const KernelTable kTable;
+}
+namespace avx512bf16 {
+extern const KernelTable kTable;
+}
 
 /// The table of the active level (chosen on first call).
 const KernelTable& kernel_table();

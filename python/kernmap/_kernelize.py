@@ -1,10 +1,10 @@
-"""kernelize(model): find the layer-bearing modules of a transformers model, resolve each through the C++
-registry and bind its forward to the chosen kernel. No weights are copied; a module whose decision is a fallback
-keeps (or gets back) its original forward, which is the reference math."""
+"""kernelize(model): find the layer-bearing modules of a transformers model (the binders of kernmap/binders/, one
+per layer), resolve each through the C++ registry and bind its forward to the chosen kernel. No weights are
+copied; a module whose decision is a fallback keeps (or gets back) its original forward, which is the reference
+math."""
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -12,12 +12,7 @@ import torch
 from torch import nn
 
 from . import _registry
-from . import experts as _experts
-from ._markers import layer_name
-
-# Layers kernelize binds by transformers' `kernel_layer_name` marker, with the forward that calls the kernel.
-_MARKED_LAYERS = ("RMSNorm", "SiLU")
-_ORIGINAL = "_kernmap_original_forward"
+from .binders import BINDERS, Binder
 
 
 @dataclass(frozen=True)
@@ -84,128 +79,50 @@ class KernelizeError(RuntimeError):
         self.report = report
 
 
-# ---- how each layer binds ------------------------------------------------------------------------------------
-
-
-def _rms_norm_forward(kernel: Callable):
-    def forward(self, hidden_states):
-        return kernel(hidden_states, self.weight, self._kernmap_eps)
-
-    return forward
-
-
-def _silu_forward(kernel: Callable):
-    def forward(self, input):  # noqa: A002 -- transformers' parameter name
-        return kernel(input)
-
-    return forward
-
-
-def _plain_linear(proj: nn.Module) -> bool:
-    """An nn.Linear itself (not a subclass such as a quantized or adapter layer), without bias or hooks: its
-    forward is exactly ``x @ weight.T``, so the product may be computed in another orientation."""
-    return (type(proj) is nn.Linear and proj.bias is None and not proj._forward_hooks
-            and not proj._forward_pre_hooks)
-
-
-def _weights_first(module: nn.Module, x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dim() >= 1 and x.dtype == module.gate_proj.weight.dtype
-            and all(_plain_linear(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj")))
-
-
-def _gated_mlp_forward(kernel: Callable):
-    def forward(self, x):
-        if _weights_first(self, x):
-            # The same products with the weight as the left operand: gate^T = W_gate x^T is [I, tokens], and
-            # silu_and_mul is elementwise, so it runs on the transposed pair as it is. On CPU the BLAS (oneDNN)
-            # computes W x^T faster than x W^T when tokens are few (measured: python -m kernmap.bench, GatedMLP;
-            # docs/python.md), and autograd's matrix-product backward keeps every weight gradient in the
-            # weight's own layout. Each element's sum runs over the same K values in fp32.
-            x2 = x.reshape(-1, x.shape[-1]).t()
-            h = kernel(torch.mm(self.gate_proj.weight, x2), torch.mm(self.up_proj.weight, x2))
-            y = torch.mm(self.down_proj.weight, h).t().contiguous()
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        return self.down_proj(kernel(self.gate_proj(x), self.up_proj(x)))
-
-    return forward
-
-
-def _is_silu(act: nn.Module | Callable | None) -> bool:
-    if isinstance(act, nn.SiLU) or (isinstance(act, nn.Module) and layer_name(type(act)) == "SiLU"):
-        return True
-    return act is torch.nn.functional.silu
-
-
-def _rms_norm_eps(module: nn.Module) -> float | None:
-    for name in ("variance_epsilon", "eps", "epsilon"):
-        value = getattr(module, name, None)
-        if isinstance(value, (float, int)):
-            return float(value)
-    return None
-
-
-def _is_gated_mlp(module: nn.Module) -> bool:
-    """Qwen2MLP, Qwen3MLP, LlamaMLP, MistralMLP, Qwen2MoeMLP and the like: down(act(gate(x)) * up(x)) with SiLU."""
-    return (all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
-            and _is_silu(getattr(module, "act_fn", None)))
+# ---- planning: which binder owns each module, and what the registry resolves for it ------------------------
 
 
 @dataclass
 class _Plan:
     path: str
     module: nn.Module
-    layer: str
+    binder: Binder
     decision: _registry.Decision | None
-    bind: Callable | None  # kernel -> forward; None for experts (bound through transformers' hook)
-    reason_override: str | None = None
+    why_not: str | None  # the module cannot take the kernel (a fallback, whatever the mapping says)
 
 
-def _dtype_of(module: nn.Module, default: torch.dtype) -> torch.dtype:
-    for p in module.parameters(recurse=False):
-        if p.is_floating_point():
-            return p.dtype
-    return default
+def _guarded(what: str, module: nn.Module, fn: Callable):
+    """Runs a binder's question about a module; a binder must never make kernelize raise on a model that runs,
+    so an exception becomes the reason the module keeps its forward."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 -- any failure to inspect a module is a fallback, with its reason
+        return None, f"kernmap could not {what} {type(module).__name__}: {type(e).__name__}: {e}"
+
+
+def _owner(module: nn.Module) -> tuple[Binder | None, str | None]:
+    for binder in BINDERS:
+        hit, error = _guarded(f"inspect ({binder.layer})", module, lambda: binder.recognises(module))
+        if hit or error:
+            return binder, error
+    return None, None
 
 
 def _plan(model: nn.Module, device: str, mode: str) -> list[_Plan]:
     default_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
     plans: list[_Plan] = []
     for path, module in model.named_modules():
-        marker = layer_name(type(module))
-        dtype = _dtype_of(module, default_dtype)
-        if marker == "RMSNorm" and _rms_norm_eps(module) is not None and isinstance(getattr(module, "weight", None),
-                                                                                     torch.Tensor):
-            plans.append(_Plan(path, module, "RMSNorm", _registry.resolve("RMSNorm", device, mode, dtype),
-                               _rms_norm_forward))
-        elif marker == "SiLU":
-            plans.append(_Plan(path, module, "SiLU", _registry.resolve("SiLU", device, mode, dtype), _silu_forward))
-        elif _is_gated_mlp(module):
-            dtype = module.gate_proj.weight.dtype
-            plans.append(_Plan(path, module, "SiluAndMul", _registry.resolve("SiluAndMul", device, mode, dtype),
-                               _gated_mlp_forward))
-        elif _experts.is_experts_module(module):
-            why_not = _experts.unsupported_layout(module)
-            decision = _registry.resolve("Experts", device, mode, module.gate_up_proj.dtype)
-            plans.append(_Plan(path, module, "Experts", decision, None, why_not))
+        binder, why_not = _owner(module)
+        if binder is None:
+            continue
+        if why_not is None:
+            why_not, error = _guarded("check", module, lambda: binder.unsupported(module))
+            why_not = why_not or error
+        dtype, error = (None, None) if why_not else _guarded("read the dtype of", module, lambda: binder.dtype(module))
+        why_not = why_not or error
+        decision = _registry.resolve(binder.layer, device, mode, dtype or default_dtype)
+        plans.append(_Plan(path, module, binder, decision, why_not))
     return plans
-
-
-def _restore(module: nn.Module) -> None:
-    original = module.__dict__.pop(_ORIGINAL, None)
-    if original is not None:
-        if original is _NO_INSTANCE_FORWARD:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = original
-
-
-_NO_INSTANCE_FORWARD = object()
-
-
-def _bind(module: nn.Module, forward: Callable) -> None:
-    if _ORIGINAL not in module.__dict__:
-        module.__dict__[_ORIGINAL] = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
-    module.forward = types.MethodType(forward, module)
 
 
 def _mode_string(mode, compile: bool) -> str:  # noqa: A002 -- the public parameter's name
@@ -239,24 +156,20 @@ def kernelize(model: nn.Module, *, mode, device: str | torch.device | None = Non
     plans = _plan(model, device, mode_text)
     rows = []
     for p in plans:
-        fallback = p.decision.fallback or p.reason_override is not None
-        kernel = _registry._reference_name(p.layer) if p.reason_override else p.decision.kernel
-        rows.append(Row(p.path, type(p.module).__name__, p.layer, kernel, fallback,
-                        p.reason_override or p.decision.reason))
+        fallback = p.decision.fallback or p.why_not is not None
+        kernel = _registry._reference_name(p.binder.layer) if p.why_not else p.decision.kernel
+        rows.append(Row(p.path, type(p.module).__name__, p.binder.layer, kernel, fallback,
+                        p.why_not or p.decision.reason))
     report = Report(device, mode_text, rows)
     if not use_fallback and report.fallbacks:
         raise KernelizeError(report)
 
+    bound: dict[Binder, list[nn.Module]] = {binder: [] for binder in BINDERS}
     for p, row in zip(plans, rows):
-        if p.layer == "Experts":
-            _experts.bind(p.module, None if row.fallback else p.decision)
-            continue
-        _restore(p.module)
-        if row.fallback:
-            continue
-        if p.layer == "RMSNorm":
-            p.module._kernmap_eps = _rms_norm_eps(p.module)
-        _bind(p.module, p.bind(p.decision.callable()))
-    if any(p.layer == "Experts" and not row.fallback for p, row in zip(plans, rows)):
-        _experts.use_kernmap_implementation(model)
+        p.binder.restore(p.module)
+        if not row.fallback:
+            p.binder.bind(p.module, p.decision.callable())
+            bound[p.binder].append(p.module)
+    for binder, modules in bound.items():
+        binder.finish(model, modules)
     return report

@@ -62,13 +62,13 @@ def advise_weights(module: nn.Module) -> None:
             torch.ops.kernmap.advise_huge_pages(weight.detach())
 
 
-def bind(module: nn.Module, decision: _registry.Decision | None) -> None:
+def bind(module: nn.Module, kernel: Callable | None) -> None:
     """Binds the module's kernel (None: run the previous implementation) and remembers that implementation."""
     current = module.config._experts_implementation
     if current != IMPLEMENTATION:
         module._kernmap_previous_implementation = current
-    module._kernmap_experts = None if decision is None else decision.callable()
-    if decision is not None:
+    module._kernmap_experts = kernel
+    if kernel is not None:
         advise_weights(module)
 
 
