@@ -253,7 +253,7 @@ Command add_bench_command(CLI::App& parent) {
   CLI::App* ops = bench->add_subcommand(
       "ops",
       "kernmap kernels against the reference, with GB/s and % of the machine's measured copy bandwidth");
-  ops->fallthrough();
+  ops->group("Commands")->fallthrough();
   auto o = std::make_shared<Options>();
   ops->add_flag("--json", o->json, "one JSON document instead of the table");
   add_text(*ops, "--filter", o->filter, "REGEX", "a regular expression",
@@ -266,7 +266,7 @@ Command add_bench_command(CLI::App& parent) {
   // minutes, of the MoE cases hours.
   add_integer(*ops, "--warmup", o->warmup, 0, 100000, "untimed runs of each implementation first");
   add_integer(*ops, "--reps", o->reps, 1, 100000,
-              "timed runs of each implementation (the median is reported)");
+              "timed runs of each implementation, whose median is reported");
   auto check = [ops] {
     if (!ops->parsed()) throw UsageError("expected 'bench ops', got 'bench'");
   };

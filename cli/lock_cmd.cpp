@@ -6,7 +6,6 @@
 #include <string>
 
 #include "cli/commands.h"
-#include "cli/options.h"
 #include "kernmap/plugins.h"
 
 namespace kernmap::cli {
@@ -17,16 +16,13 @@ Command add_lock_command(CLI::App& parent) {
       "write DIR/kernmap.lock pinning each package of the kernel repository DIR (name, version, sha256 of "
       "each library)");
   auto dir = std::make_shared<std::string>();
-  app->add_option("DIR", *dir, "the kernel repository folder")->type_name("");
-  auto check = [dir] {
-    if (dir->empty()) throw UsageError("needs the repository folder: kernmap lock DIR");
-  };
+  app->add_option("DIR", *dir, "the kernel repository folder")->type_name("")->required();
   auto run = [dir] {
     const std::string text = write_lock(*dir);
     std::printf("wrote %s/kernmap.lock:\n%s", dir->c_str(), text.c_str());
     return 0;
   };
-  return {app, check, run};
+  return {app, [] {}, run};
 }
 
 }  // namespace kernmap::cli

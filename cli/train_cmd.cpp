@@ -65,7 +65,7 @@ void add_run_options(CLI::App& app, RunArgs& r, Run run) {
   app.add_flag("--skip-bad-lines", r.skip_bad_lines,
                "skip malformed data lines (each reported) instead of stopping");
   add_integer(app, "--steps", r.steps, 1, kMaxSteps,
-              run == Run::kAblate ? "measured steps per row" : "the last step to train (with --resume too)");
+              run == Run::kAblate ? "measured steps per row" : "the last step to train, also with --resume");
   add_choice(app, "--dtype", r.dtype, {"float32", "bfloat16"}, "the model's parameter dtype");
   add_text(app, "--kernels", r.kernels, "all|none|LIST", "all, none or a comma list of layers",
            "the layers kernelized, the rest on their reference kernels (default all)");
@@ -82,7 +82,7 @@ void add_run_options(CLI::App& app, RunArgs& r, Run run) {
   if (run == Run::kTrain) {
     add_text(app, "--save", r.save_dir, "DIR", "a folder", "write DIR/checkpoint.safetensors at the end");
     add_integer(app, "--save-every", r.save_every, 0, kMaxSteps,
-                "with --save, also every N steps (0: never)");
+                "with --save, also every N steps (0: only at the end)");
     add_text(app, "--resume", r.resume_dir, "DIR", "a folder",
              "continue from DIR/checkpoint.safetensors up to --steps");
   }

@@ -188,7 +188,7 @@ def test_top_level_help_and_usage(run_cli):
     (["kernels", "extra"], "kernmap kernels: unexpected argument 'extra' (kernmap kernels --help lists its options)\n"),
     (["bench", "ops", "--frob"], "kernmap bench: unknown option '--frob' (kernmap bench ops --help lists its options)\n"),
     (["bench"], "kernmap bench: expected 'bench ops', got 'bench'\n"),
-    (["lock"], "kernmap lock: needs the repository folder: kernmap lock DIR\n"),
+    (["lock"], "kernmap lock: DIR is required\n"),
     (["lock", "a", "b"], "kernmap lock: unexpected argument 'b' (kernmap lock --help lists its options)\n"),
     (["plan"], "kernmap plan: give exactly one of --preset NAME (one of qwen2-tiny, qwen2-moe-tiny, "
                "qwen3-moe-tiny) or --model DIR\n"),
