@@ -18,13 +18,6 @@
 namespace kernmap::cli {
 namespace {
 
-std::vector<std::string> known_layers() {
-  std::vector<std::string> out;
-  for (const KernelDescriptor* k : registered_kernels())
-    if (k->provider() == "reference") out.push_back(k->layer);
-  return out;
-}
-
 const std::vector<std::string> kDevices = {"cpu", "cuda", "npu"};
 const std::vector<Mode> kModes = {Mode::kInference, Mode::kTraining, Mode::kTraining | Mode::kCompile};
 
@@ -71,7 +64,7 @@ Json kernels_json(const std::string& active, const std::vector<std::string>& lev
                        {"deterministic", k->deterministic},
                        {"op", k->op}});
   Json resolution = Json::array();
-  for (const auto& layer : known_layers())
+  for (const auto& layer : registered_layers())
     for (const auto& dev : kDevices)
       for (Mode m : kModes) {
         const Decision d = resolve(layer, dev, m);
@@ -107,7 +100,7 @@ int kernels_command(bool json) {
                             k->deterministic ? "yes" : "no"});
   std::printf("Registered kernels\n%s\n", kernels.render().c_str());
   Table res{{"layer", "device", "mode", "kernel", "why"}, {}};
-  for (const auto& layer : known_layers())
+  for (const auto& layer : registered_layers())
     for (const auto& dev : kDevices)
       for (Mode m : kModes) {
         const Decision d = resolve(layer, dev, m);
