@@ -1,6 +1,6 @@
 // Mapping files without the registry: the file, the JSON parser (nlohmann's SAX interface, so that duplicate
 // keys, nesting and size are checked as the text is read) and the document's shape.
-#include "registry/mapping_file_format.h"
+#include "mapping_file/format.h"
 
 #include <nlohmann/json.hpp>
 

@@ -20,10 +20,10 @@
 #include "kernmap/c_api.h"
 #include "kernmap/plugin.h"
 #include "kernmap/registry.h"
-#include "registry/json_forms.h"
-#include "registry/manifest.h"
+#include "repository/json_forms.h"
+#include "repository/manifest.h"
 #include "registry/mapping_levels.h"
-#include "registry/sha256.h"
+#include "repository/sha256.h"
 
 #ifndef KERNMAP_TORCH_VERSION
 #error "KERNMAP_TORCH_VERSION must name the torch version kernmap is built against (CMakeLists.txt sets it)"

@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include "registry/mapping_file_format.h"
+#include "mapping_file/format.h"
 
 namespace kernmap::mapping_file {
 namespace {

@@ -16,7 +16,7 @@
 
 #include "kernmap/mapping_file.h"
 #include "kernmap/registry.h"
-#include "registry/json_forms.h"
+#include "repository/json_forms.h"
 
 namespace kernmap {
 namespace {

@@ -9,7 +9,7 @@
 
 #include "kernmap/c_api.h"
 #include "kernmap/plugins.h"
-#include "registry/json_forms.h"
+#include "repository/json_forms.h"
 
 namespace kernmap {
 namespace {
