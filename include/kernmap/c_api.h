@@ -57,10 +57,9 @@ int kernmap_register_kernel(const char* descriptor_json, kernmap_supports_fn sup
 int kernmap_register_mapping(const char* mapping_json, char** error);
 /* Adds built-in defaults (register_default_mapping): for device packages and plugins that bring defaults. */
 int kernmap_register_default_mapping(const char* mapping_json, char** error);
-/* Reads a mapping file (.json, or .toml in the subset docs/mapping.md describes) and validates it against the
- * registry as it stands (kernmap::load_mapping_file); *mapping_json receives the mapping in the shape above.
- * On failure the message starts with the location: "FILE:LINE:COL: problem" or "FILE: /Layer/device/mode:
- * problem". */
+/* Reads a mapping file (.json or .toml, docs/mapping.md) and validates it against the registry as it stands
+ * (kernmap::load_mapping_file); *mapping_json receives the mapping in the shape above. On failure the message
+ * starts with the location: "FILE:LINE:COL: problem" or "FILE: /Layer/device/mode: problem". */
 int kernmap_load_mapping_file(const char* path, char** mapping_json, char** error);
 /* Reads, validates and registers a mapping file as user registrations (kernmap::register_mapping_file);
  * nothing is registered when the file has an error. */
