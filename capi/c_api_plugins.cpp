@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "capi/guarded.h"
 #include "kernmap/c_api.h"
 #include "kernmap/plugins.h"
 #include "repository/json_forms.h"
