@@ -21,7 +21,7 @@
 #include "cli/bench.h"
 #include "cli/commands.h"
 #include "cli/table.h"
-#include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "kernmap/memory.h"
 #include "kernmap/ops.h"
 
@@ -246,7 +246,7 @@ int bench_command(const std::vector<std::string>& args) {
       first = false;
     }
     out += "}, \"threads\": " + std::to_string(at::get_num_threads()) +
-           ", \"cpu_level\": " + json_string(cpu::level_name(cpu::active_level())) + "}, \"results\": [";
+           ", \"cpu_level\": " + json_string(cpu_level()) + "}, \"results\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       out += std::string(i ? ", " : "") + "{\"op\": " + json_string(r.c.op) +
@@ -269,7 +269,7 @@ int bench_command(const std::vector<std::string>& args) {
   std::printf(
       "; %d threads, CPU level %s; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), "
       "medians\n\n",
-      at::get_num_threads(), cpu::level_name(cpu::active_level()), o.warmup, o.reps);
+      at::get_num_threads(), cpu_level().c_str(), o.warmup, o.reps);
   Table t{{"op", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s",
            "floor ms", "x floor", "speedup"},
           {}};

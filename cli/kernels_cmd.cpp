@@ -7,7 +7,7 @@
 
 #include "cli/commands.h"
 #include "cli/table.h"
-#include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "kernmap/plugins.h"
 #include "kernmap/registry.h"
 
@@ -85,9 +85,8 @@ int kernels_command(const std::vector<std::string>& args) {
       throw std::invalid_argument("unknown option '" + a + "' (expected --json)");
     }
   }
-  std::vector<std::string> levels;
-  for (cpu::Level l : cpu::supported_levels()) levels.push_back(cpu::level_name(l));
-  const std::string active = cpu::level_name(cpu::active_level());
+  const std::vector<std::string> levels = supported_cpu_levels();
+  const std::string active = cpu_level();
 
   if (json) {
     std::string out = "{\"cpu\": {\"level\": " + json_string(active) + ", \"supported\": [";
