@@ -9,10 +9,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "tests/cpp/level_fixture.h"
@@ -508,6 +511,37 @@ TEST(CpuLevels, ThisMachineRunsAtLeastBaselineAndTheBestIsActiveByDefault) {
   EXPECT_EQ(levels.front(), Level::kBaseline);
   EXPECT_EQ(kernmap::cpu::parse_level("avx2"), Level::kAvx2);
   EXPECT_FALSE(kernmap::cpu::parse_level("sse9").has_value());
+}
+
+TEST(CpuLevels, ThePublicFunctionsNameAndSetLibkernmapsLevel) {
+  const std::vector<std::string> levels = kernmap::supported_cpu_levels();
+  std::vector<std::string> expected;
+  std::string runs;
+  for (Level l : kernmap::cpu::supported_levels()) {
+    expected.emplace_back(kernmap::cpu::level_name(l));
+    runs += (runs.empty() ? "" : ", ") + expected.back();
+  }
+  EXPECT_EQ(levels, expected);
+  const std::string previous = kernmap::cpu_level();
+  EXPECT_NE(std::find(levels.begin(), levels.end(), previous), levels.end()) << previous;
+  kernmap::set_cpu_level("baseline");
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");
+  const auto refusal = [](const std::string& level) -> std::string {
+    try {
+      kernmap::set_cpu_level(level);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(refusal("sse9"), "set_cpu_level: unknown level 'sse9' (this CPU runs: " + runs + ")");
+  if (levels.size() < 4) {  // a compiled level this CPU cannot run (none on a CPU with avx512bf16)
+    EXPECT_EQ(refusal("avx512bf16"),
+              "set_cpu_level: this CPU cannot run level 'avx512bf16' (this CPU runs: " + runs + ")");
+  }
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");  // a refused level changes nothing
+  kernmap::set_cpu_level(previous);
+  EXPECT_EQ(kernmap::cpu_level(), previous);
 }
 
 TEST(OpErrors, NameTheArgument) {
