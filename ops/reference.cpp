@@ -62,9 +62,12 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
 }
 
 // The eager experts loop of transformers 5.x (Qwen2MoeExperts.forward): per expert hit, gather its tokens in
-// (slot, token) order, gate_up product, act(gate) * up, down product, routing weight, index_add.
+// (slot, token) order, gate_up product, act(gate) * up, down product, routing weight, index_add. Ids equal to
+// E (the expert-parallel sentinel) match no expert and are skipped; ids outside [0, E] are errors, as
+// transformers' one_hot over E + 1 classes makes them.
 at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                    const at::Tensor& gate_up_proj, const at::Tensor& down_proj) {
+  ops::check_expert_ids("reference_experts", topk_ids, gate_up_proj.size(0));
   at::Tensor out = at::zeros_like(hidden);
   const at::Tensor ids_by_slot = topk_ids.t();  // [k, T], as expert_mask[e] in transformers
   for (int64_t e = 0; e < gate_up_proj.size(0); ++e) {

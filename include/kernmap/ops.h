@@ -21,6 +21,8 @@ at::Tensor swiglu(const at::Tensor& gate_up);
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs);
 /// MoE experts (transformers 5.x layout): hidden [T, H], topk_ids / topk_weights [T, k], gate_up_proj [E, 2I,
 /// H] (gate rows first), down_proj [E, H, I]. Returns sum_k topk_weights * down(silu(gate) * up) per token.
+/// Ids follow transformers' eager experts: an id of E (the expert-parallel sentinel) is skipped (no
+/// contribution, a zero weight gradient); ids outside [0, E] are errors.
 at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                    const at::Tensor& gate_up_proj, const at::Tensor& down_proj);
 
