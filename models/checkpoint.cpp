@@ -16,6 +16,7 @@
 
 #include "kernmap/models.h"
 #include "kernmap/safetensors.h"
+#include "models/json_document.h"
 #include "models/safetensors_format.h"
 
 namespace kernmap {
@@ -134,8 +135,8 @@ std::string read_text(const std::string& path) {
 std::map<std::string, std::string> read_index(const std::string& path) {
   nlohmann::json index;
   try {
-    index = nlohmann::json::parse(read_text(path));
-  } catch (const nlohmann::json::exception& e) {
+    index = json_document::parse(read_text(path));
+  } catch (const json_document::Error& e) {
     throw CheckpointError(path + ": not valid JSON: " + e.what());
   }
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernmap/models.h"
+#include "models/json_document.h"
 
 namespace kernmap {
 namespace {
@@ -70,8 +71,8 @@ bool ModelConfig::is_moe_layer(int64_t i) const {
 ModelConfig ModelConfig::from_json(const std::string& text) {
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
+    j = json_document::parse(text);
+  } catch (const json_document::Error& e) {
     fail(std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object()) fail("must be a JSON object");

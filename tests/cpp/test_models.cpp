@@ -146,6 +146,12 @@ TEST(Config, ErrorsNameTheKey) {
   EXPECT_NE(message(base + R"(, "rope_parameters": {"rope_type": "yarn"}})").find("rope_type 'yarn'"),
             std::string::npos);
   EXPECT_NE(message(base + R"(, "hidden_size": -1})").find("'hidden_size' = -1"), std::string::npos);
+  // nlohmann's parser takes a NUL byte for the end of the text: what follows one must not be ignored.
+  const std::string nul_then_more = base + "}" + std::string(1, '\0') + R"(, "hidden_size": -1})";
+  EXPECT_NE(
+      message(nul_then_more).find("not valid JSON: a NUL byte at offset " + std::to_string(base.size() + 1)),
+      std::string::npos)
+      << message(nul_then_more);
 }
 
 }  // namespace
