@@ -2,12 +2,11 @@
 // torch.nn.utils.clip_grad_norm_ (per-tensor path, the CPU default), so that runs match PyTorch bit for bit
 // in the update and to rounding in the norm.
 #include <ATen/ops/clamp.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
-
-#include <ATen/ops/isfinite.h>
 
 #include <cmath>
 #include <map>
@@ -113,11 +112,10 @@ void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& te
   std::map<std::string, const at::Tensor*> by_name;
   for (const auto& [name, t] : tensors) by_name[name] = &t;
   for (const auto& [name, t] : tensors) {
-    const bool squares = name.starts_with("exp_avg_sq/");
     if (const int64_t bad = non_finite(t); bad > 0)
       throw CheckpointError("optimizer state: tensor '" + name + "' holds " + std::to_string(bad) +
                             " NaN or infinite value" + (bad == 1 ? "" : "s"));
-    if (squares)
+    if (name.starts_with("exp_avg_sq/"))
       if (const int64_t negative = (t < 0).sum().item<int64_t>(); negative > 0)
         throw CheckpointError("optimizer state: tensor '" + name + "' holds " + std::to_string(negative) +
                               " negative value" + (negative == 1 ? "" : "s") + " (the smallest " +

@@ -93,11 +93,10 @@ StepLog Trainer::step() {
   const bool finite = std::isfinite(loss) && std::isfinite(grad_norm);
   if (finite) {
     optimizer_.step();  // update
-  } else if (!options_.skip_non_finite) {
-    optimizer_.zero_grad();
-    stop(step_ + 1, std::isfinite(loss) ? "gradient norm" : "loss", std::isfinite(loss) ? grad_norm : loss);
   } else {
-    optimizer_.zero_grad();
+    optimizer_.zero_grad();  // no update: this step's gradients are dropped
+    if (!options_.skip_non_finite)
+      stop(step_ + 1, std::isfinite(loss) ? "gradient norm" : "loss", std::isfinite(loss) ? grad_norm : loss);
     ++skipped_;
   }
 
