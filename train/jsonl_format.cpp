@@ -3,6 +3,7 @@
 #include "train/jsonl_format.h"
 
 #include <algorithm>
+#include <cctype>
 #include <nlohmann/json.hpp>
 
 #include "models/json_document.h"
