@@ -66,6 +66,14 @@ struct KERNMAP_API ModelConfig {
   static ModelConfig from_json(const std::string& text);
   /// from_json on DIR/config.json.
   static ModelConfig from_dir(const std::string& dir);
+  /// The parameters of a model of this config: every weight, bias and norm, tied embeddings once. A double:
+  /// each size of a config.json is capped, their products are not, and a config can describe more than 2^64.
+  double parameter_count() const;
+  /// Throws ConfigError, saying how many bytes the parameters would take and the cap, when parameter_count()
+  /// parameters of bytes_per_parameter bytes each exceed this machine's physical memory: such a model cannot
+  /// be built, and allocating it would fail deep inside the allocator (or, with overcommit, in the OOM
+  /// killer).
+  void check_fits_in_memory(size_t bytes_per_parameter) const;
   /// A config.json that transformers loads (model_type, architectures and every field above).
   std::string to_json() const;
 };
@@ -81,7 +89,8 @@ struct KERNMAP_API CausalLMOutput {
 
 /// A causal language model: submodules "model" (embed_tokens, layers.N, norm) and "lm_head" (absent when the
 /// embeddings are tied). Parameters are created with the given options; a meta device builds the structure
-/// without memory (enough for kernelize and `kernmap plan`).
+/// without memory (enough for kernelize and `kernmap plan`). On any other device the constructor first calls
+/// config.check_fits_in_memory for the options' dtype.
 class KERNMAP_API CausalLM : public torch::nn::Module {
  public:
   CausalLM(ModelConfig config, const at::TensorOptions& options);

@@ -23,9 +23,10 @@ KERNMAP_API at::Tensor swiglu(const at::Tensor& gate_up);
 KERNMAP_API at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs);
 /// MoE experts (transformers 5.x layout): hidden [T, H], topk_ids / topk_weights [T, k], gate_up_proj [E, 2I,
 /// H] (gate rows first), down_proj [E, H, I]. Returns sum_k topk_weights * down(silu(gate) * up) per token.
-KERNMAP_API at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids,
-                               const at::Tensor& topk_weights, const at::Tensor& gate_up_proj,
-                               const at::Tensor& down_proj);
+/// Ids follow transformers' eager experts: an id of E (the expert-parallel sentinel) is skipped (no
+/// contribution, a zero weight gradient); ids outside [0, E] are errors.
+KERNMAP_API at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   const at::Tensor& gate_up_proj, const at::Tensor& down_proj);
 
 /// The reference kernels (transformers eager math composed of ATen ops).
 namespace reference {

@@ -21,6 +21,10 @@ class KERNMAP_API CheckpointError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The safetensors name of a dtype ("F32", "BF16", "I64", ...); throws CheckpointError for a dtype the format
+/// has no name for.
+KERNMAP_API std::string safetensors_dtype_name(at::ScalarType dtype);
+
 /// Every tensor of a safetensors file, in data order, as CPU tensors.
 KERNMAP_API std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const std::string& path);
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <iosfwd>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -48,10 +49,15 @@ class KERNMAP_API DataError : public std::runtime_error {
 };
 
 /// Reads JSONL lines {"prompt_ids": [int...], "response_ids": [int...]} (other keys ignored; whitespace-only
-/// lines are not examples). A line is malformed when it is not a JSON object, lacks either key, has a
-/// non-integer or out-of-[0, vocab_size) id, an empty response, or fewer than 2 tokens in all. Malformed
-/// lines throw DataError (all of them listed) unless skip_bad_lines, which records them in Dataset::skipped.
+/// lines are not examples). A line is malformed when it is not one JSON object (a NUL byte anywhere in it
+/// included), lacks either key, has a non-integer or out-of-[0, vocab_size) id, an empty response, or fewer
+/// than 2 tokens in all. Malformed lines throw DataError (all of them listed) unless skip_bad_lines, which
+/// records them in Dataset::skipped. A read error (the file's, not the end of it) throws DataError naming the
+/// last line read and the error: data is never silently cut short.
 KERNMAP_API Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines);
+/// The same from a stream; `source` names it in messages and Dataset::source. The stream's exception mask is
+/// restored on return.
+KERNMAP_API Dataset read_jsonl(std::istream& in, const std::string& source, int64_t vocab_size, bool skip_bad_lines);
 
 /// A deterministic synthetic task (the same for a given seed on every machine): prompts of seq_len / 2 random
 /// tokens, responses that continue them by a fixed rule, so the loss falls as the model learns it.
@@ -71,6 +77,8 @@ struct KERNMAP_API Batch {
 KERNMAP_API Batch make_batch(const Dataset& data, int64_t step, int64_t batch_size, int64_t pad_id);
 
 /// torch.optim.AdamW hyper-parameters (its defaults, except weight_decay and lr as set by the trainer).
+/// AdamW's constructor refuses values torch would train nonsense with: lr and eps must be finite and > 0,
+/// beta1 and beta2 in [0, 1), weight_decay finite and >= 0.
 struct KERNMAP_API AdamWOptions {
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -85,6 +93,8 @@ struct KERNMAP_API AdamWOptions {
 /// + eps). State is kept in each parameter's dtype.
 class KERNMAP_API AdamW {
  public:
+  /// Throws std::invalid_argument naming the option and its value for options outside their ranges (see
+  /// AdamWOptions).
   AdamW(std::vector<std::pair<std::string, at::Tensor>> params, AdamWOptions options);
   /// Sets every gradient to none (zero_grad(set_to_none=True)).
   void zero_grad();
@@ -93,8 +103,10 @@ class KERNMAP_API AdamW {
   int64_t steps() const { return step_; }
   /// State tensors by name ("exp_avg/<param>", "exp_avg_sq/<param>") for checkpoints.
   std::vector<std::pair<std::string, at::Tensor>> state() const;
-  /// Restores state() output and the step count; throws std::runtime_error naming a missing or mis-shaped
-  /// tensor.
+  /// Restores state() output and the step count. Throws CheckpointError naming the tensor and the problem,
+  /// and changes nothing, when a tensor is missing, unknown, of another dtype or shape than its parameter,
+  /// exp_avg holds a NaN or infinity, exp_avg_sq one or a negative value (it is a mean of squares), or the
+  /// step is outside [0, 2^53].
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t step);
 
  private:
@@ -119,29 +131,53 @@ struct KERNMAP_API StepLog {
                            ///< processes on a shared machine disturb far less than the wall clock
   int64_t tokens = 0;
   double tokens_per_s = 0;
+  bool skipped = false;  ///< the loss or the gradient norm was not finite (TrainOptions::skip_non_finite):
+                         ///< the parameters and optimizer state were left as they were
 };
 
+/// A step whose loss or gradient norm is NaN or infinite, when TrainOptions::skip_non_finite is off.
+class KERNMAP_API NonFiniteError : public std::runtime_error {
+ public:
+  NonFiniteError(const std::string& what, int64_t step) : std::runtime_error(what), step(step) {}
+  int64_t step;  ///< 1-based: the step that failed (the parameters are those after step - 1)
+};
+
+/// The Trainer's constructor refuses batch_size < 1 and max_grad_norm NaN or <= 0 (+inf: no clipping), and
+/// AdamW's the adam options it refuses, with std::invalid_argument naming the option and its value.
 struct KERNMAP_API TrainOptions {
   int64_t batch_size = 4;
   double max_grad_norm = 1.0;
   AdamWOptions adam;
+  /// false: a step whose loss or gradient norm is not finite throws NonFiniteError naming the step. true:
+  /// such a step updates nothing (its batch is used up, as with torch's GradScaler), is logged with
+  /// StepLog::skipped, and counted in Trainer::skipped_steps().
+  bool skip_non_finite = false;
 };
 
 /// The SFT step loop over a model and a dataset (held by reference: it must outlive the trainer).
 class KERNMAP_API Trainer {
  public:
   Trainer(std::shared_ptr<CausalLM> model, const Dataset& data, TrainOptions options);
-  /// forward, loss, backward, clip, update: one step on the next batch.
+  /// forward, loss, backward, clip, update: one step on the next batch. Throws NonFiniteError (nothing
+  /// updated) for a NaN or infinite loss or gradient norm, unless options.skip_non_finite.
   StepLog step();
-  /// Steps done (the next batch is make_batch(data, steps())).
+  /// Steps done, skipped ones included (the next batch is make_batch(data, steps())).
   int64_t steps() const { return step_; }
+  /// Steps skipped for a non-finite loss or gradient norm (TrainOptions::skip_non_finite), since
+  /// construction.
+  int64_t skipped_steps() const { return skipped_; }
   CausalLM& model() { return *model_; }
   /// Writes parameters, optimiser state and the step count to dir/checkpoint.safetensors atomically: into a
   /// temporary file that is flushed to disk, then renamed over the previous checkpoint, so an interruption at
   /// any moment leaves the previous checkpoint whole.
   void save_checkpoint(const std::string& dir) const;
-  /// Restores what save_checkpoint wrote; training then continues the uninterrupted run's sequence exactly.
-  void load_checkpoint(const std::string& dir);
+  /// Restores what save_checkpoint wrote and returns its step count (steps() from then on); training then
+  /// continues the uninterrupted run's sequence exactly. Throws CheckpointError naming the file, the tensor
+  /// and the problem, and changes nothing, when the file is not a checkpoint of this model: a tensor missing,
+  /// unknown, or of another dtype or shape than the model's (parameters and their optimizer state in the
+  /// parameter's dtype, trainer/step one int64), a step outside [0, 2^53], a NaN or infinite parameter, or
+  /// optimizer state AdamW::load_state refuses.
+  int64_t load_checkpoint(const std::string& dir);
 
  private:
   std::shared_ptr<CausalLM> model_;
@@ -150,6 +186,7 @@ class KERNMAP_API Trainer {
   std::vector<std::pair<std::string, at::Tensor>> params_;
   AdamW optimizer_;
   int64_t step_ = 0;
+  int64_t skipped_ = 0;
 };
 
 /// The layers a run kernelizes: a subset of registered_layers() ("RMSNorm", "SiluAndMul", "Experts", ...);
