@@ -78,6 +78,8 @@ void add_run_options(CLI::App& app, RunArgs& r, Run run) {
   add_real(app, "--max-grad-norm", r.options.max_grad_norm, Sign::kPositive,
            "gradients are clipped to this total 2-norm");
   add_integer(app, "--threads", r.threads, 0, kMaxThreads, "torch intra-op threads, 0 for torch's default");
+  app.add_flag("--skip-non-finite", r.options.skip_non_finite,
+               "skip a step whose loss or gradient norm is NaN or infinite (counted) instead of stopping");
   app.add_flag("--json", r.json, "one JSON document instead of the table");
   if (run == Run::kTrain) {
     add_text(app, "--save", r.save_dir, "DIR", "a folder", "write DIR/checkpoint.safetensors at the end");
@@ -157,7 +159,8 @@ train::Progress progress_bar(const char* what) {
 
 Json step_json(const train::StepLog& s) {
   return {{"step", s.step},       {"loss", s.loss},     {"grad_norm", s.grad_norm},
-          {"seconds", s.seconds}, {"tokens", s.tokens}, {"tokens_per_s", s.tokens_per_s}};
+          {"seconds", s.seconds}, {"tokens", s.tokens}, {"tokens_per_s", s.tokens_per_s},
+          {"skipped", s.skipped}};
 }
 
 Json steps_json(const std::vector<train::StepLog>& logs) {
@@ -184,7 +187,12 @@ int train_command(const RunArgs& r) {
   const train::Dataset data = load_data(r, model->config().vocab_size);
   const Report report = train::bind_kernels(*model, layers);
   train::Trainer trainer(model, data, r.options);
-  if (!r.resume_dir.empty()) trainer.load_checkpoint(r.resume_dir);
+  if (!r.resume_dir.empty()) {
+    const int64_t resumed = trainer.load_checkpoint(r.resume_dir);
+    if (resumed >= r.steps)
+      throw UsageError("--steps " + std::to_string(r.steps) + " is not above the step of " + r.resume_dir +
+                       "'s checkpoint (" + std::to_string(resumed) + "): --steps is the last step to train");
+  }
   const int64_t first = trainer.steps();
   if (!r.json)
     std::printf("train %s, steps %lld..%lld\n\n", describe(r, model->config(), data).c_str(),
@@ -211,9 +219,12 @@ int train_command(const RunArgs& r) {
     return 0;
   }
   for (const auto& s : logs)
-    table.rows.push_back({std::to_string(s.step), fixed(s.loss, 6), fixed(s.grad_norm, 6),
-                          fixed(s.seconds * 1e3, 1), fixed(s.tokens_per_s, 0)});
+    table.rows.push_back({std::to_string(s.step) + (s.skipped ? " (skipped)" : ""), fixed(s.loss, 6),
+                          fixed(s.grad_norm, 6), fixed(s.seconds * 1e3, 1), fixed(s.tokens_per_s, 0)});
   std::fputs(table.render().c_str(), stdout);
+  if (trainer.skipped_steps() > 0)
+    std::printf("\n%lld steps skipped for a non-finite loss or gradient norm (--skip-non-finite)\n",
+                static_cast<long long>(trainer.skipped_steps()));
   return 0;
 }
 

@@ -99,7 +99,8 @@ def test_ablate_json_document(run_cli):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["model"] == "qwen2-tiny"
-    assert [r["name"] for r in doc["rows"]] == ["original", "+RMSNorm", "+SiluAndMul", "all"]
+    # Rows in model order: the C++ decoder layer registers its mlp before its norms, as transformers does.
+    assert [r["name"] for r in doc["rows"]] == ["original", "+SiluAndMul", "+RMSNorm", "all"]
     for r in doc["rows"]:
         assert list(r) == ["name", "median_s", "p25_s", "p75_s", "speedup_pct", "min_s", "median_cpu_s",
                            "cpu_speedup_pct", "peak_bytes", "final_loss", "seconds"]
@@ -236,7 +237,8 @@ def test_command_line_mistakes_exit_2(run_cli, args, message):
     (["train", "--batch-size", "65536", "--seq-len", "1024"],
      "--batch-size x --seq-len must be at most 16777216 tokens a step, got 65536 x 1024"),
     (["train", "--kernels", "RMSNorm,Rotary"],
-     "--kernels: unknown layer 'Rotary' (expected all, none or a comma list of RMSNorm, SiluAndMul, Experts)"),
+     "--kernels: unknown layer 'Rotary' (expected all, none or a comma list of "
+     "Experts, GroupedMM, RMSNorm, SiLU, SiluAndMul)"),
     (["align", "--rtol", "-1"], "--rtol must be a finite number > 0, got '-1'"),
     (["align", "--rtol", "nan"], "--rtol must be a finite number > 0, got 'nan'"),
     (["ablate", "--warmup", "-1"], "--warmup must be an integer in [0, 1000000], got '-1'"),
@@ -270,3 +272,24 @@ def test_lock_errors_name_the_command_once(run_cli, tmp_path):
     assert out.returncode == 1
     assert out.stderr.startswith("kernmap lock: ") and out.stderr.count("kernmap lock:") == 1, out.stderr
     assert "not a folder" in out.stderr
+
+
+TINY = ["--preset", "qwen2-tiny", "--seq-len", "8", "--examples", "4", "--batch-size", "2"]
+
+
+def test_resume_with_steps_not_above_the_checkpoint_is_refused(run_cli, tmp_path):
+    out = run_cli("train", *TINY, "--steps", "2", "--save", tmp_path)
+    assert out.returncode == 0, out.stderr
+    out = run_cli("train", *TINY, "--steps", "2", "--resume", tmp_path)
+    assert out.returncode == 2
+    assert f"--steps 2 is not above the step of {tmp_path}'s checkpoint (2)" in out.stderr
+
+
+def test_a_diverging_run_stops_naming_the_step_or_skips_with_the_flag(run_cli):
+    # An absurd learning rate makes the weights overflow after the first update: step 2's loss is not finite.
+    out = run_cli("train", *TINY, "--steps", "4", "--lr", "1e30")
+    assert out.returncode == 1 and "step 2" in out.stderr, out.stderr
+    out = run_cli("train", *TINY, "--steps", "4", "--lr", "1e30", "--skip-non-finite", "--json")
+    assert out.returncode == 0, out.stderr
+    steps = json.loads(out.stdout)["steps"]
+    assert [s["skipped"] for s in steps] == [False, True, True, True]
