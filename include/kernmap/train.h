@@ -175,7 +175,8 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
                   const TrainOptions& options, const LayerSet& layers, int64_t steps, double rtol,
                   const Progress& progress = {});
 
-/// One row of the ablation table. Every member has a default initializer: a row starts from its name and layers.
+/// One row of the ablation table. Every member has a default initializer: a row starts from its name and
+/// layers.
 struct AblationRow {
   std::string name{};  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
   LayerSet layers{};

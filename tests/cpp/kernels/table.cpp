@@ -42,6 +42,46 @@ std::vector<at::Tensor> grouped_mm_matches_reference(const Case& c) {
           .terms = {K, N, rows}});  // y over K, da over N, db over a group's rows
 }
 
+// Experts routing [T, k]: k distinct experts per token, at random, or ("one_expert_for_all") expert 3 in
+// every token's first slot and k - 1 distinct others in the rest; weights a softmax over the slots.
+std::pair<at::Tensor, at::Tensor> routing(const Case& c) {
+  const int64_t T = c["T"], E = c["E"], k = c["k"];
+  at::Tensor ids;
+  if (c.layout == "one_expert_for_all") {
+    const at::Tensor others = at::argsort(at::rand({T, E - 1}), /*dim=*/1).narrow(1, 0, k - 1);
+    ids = at::cat({at::full({T, 1}, 3, at::kLong), others + others.ge(3).to(at::kLong)}, 1).contiguous();
+  } else {
+    ids = at::argsort(at::rand({T, E}), /*dim=*/1).narrow(1, 0, k).contiguous();
+  }
+  return {ids, at::rand({T, k}, at::kDouble).softmax(-1).to(c.dtype)};
+}
+
+// The experts op against its reference ("strided_weights": gate_up_proj a transposed view, down_proj a
+// slice); an expert no token is routed to gets zero weight gradients.
+void experts_match_reference(const Case& c) {
+  const int64_t T = c["T"], E = c["E"], k = c["k"], H = c["H"], I = c["I"];
+  const auto [ids, weights] = routing(c);
+  const bool strided = c.layout == "strided_weights";
+  const at::Tensor gate_up =
+      strided ? randn({E, H, 2 * I}, c.dtype).transpose(1, 2) : randn({E, 2 * I, H}, c.dtype);
+  const at::Tensor down = strided ? randn({E, H, 2 * I}, c.dtype).narrow(2, 0, I) : randn({E, H, I}, c.dtype);
+  // The longest sum: gate/up over H, down over I, the weight gradients over the up to T * k rows of an
+  // expert.
+  const int64_t terms = std::max({H, 2 * I, T * k});
+  const std::vector<at::Tensor> out = expect_matches_reference(
+      c, {.inputs = {randn({T, H}, c.dtype), ids, weights, gate_up, down},
+          .kernel = [](const auto& in) { return kernmap::experts(in[0], in[1], in[2], in[3], in[4]); },
+          .reference =
+              [](const auto& in) { return kernmap::reference::experts(in[0], in[1], in[2], in[3], in[4]); },
+          .terms = {terms, terms, terms, terms, terms}});
+  if (out.size() != 5) return;  // y, then the gradients of hidden, topk_weights, gate_up_proj, down_proj
+  for (int64_t e = 0; e < E; ++e) {
+    if (ids.eq(e).any().item<bool>()) continue;
+    EXPECT_EQ(out[3][e].abs().sum().item<double>(), 0.0) << "gate_up_proj of the unused expert " << e;
+    EXPECT_EQ(out[4][e].abs().sum().item<double>(), 0.0) << "down_proj of the unused expert " << e;
+  }
+}
+
 // The gemm_bcast cases: rows around the 4-row register block, columns around the 16-lane vector and 64-column
 // block, reduction lengths around the bf16 pairs, and reductions long enough to be split into blocks (2048
 // columns: blocks of 32 fp32 / 64 bf16 steps; 130 columns: blocks of 256 steps); then bf16 long reductions
@@ -215,6 +255,16 @@ const std::vector<Row>& kernel_table() {
        .check = gemm_bcast_short_reductions_match_small_calls,
        .skip = [](const Case& c) { return fp64_past(c, 64); }},
       // ---- the MoE combine and Experts ----
+      // One expert, uneven routing, 64 experts with most unused, a token count that is not a multiple of k.
+      {.op = "experts",
+       .shapes = {{.sizes = {{"E", 1}, {"k", 1}, {"T", 6}, {"H", 16}, {"I", 8}}},
+                  {.sizes = {{"E", 5}, {"k", 2}, {"T", 8}, {"H", 9}, {"I", 6}}},
+                  {.sizes = {{"E", 6}, {"k", 2}, {"T", 11}, {"H", 10}, {"I", 7}}},
+                  {.sizes = {{"E", 7}, {"k", 2}, {"T", 9}, {"H", 13}, {"I", 11}}},
+                  {.sizes = {{"E", 64}, {"k", 8}, {"T", 20}, {"H", 24}, {"I", 10}}}},
+       .layouts = {"random_routing", "one_expert_for_all", "strided_weights"},
+       .check = experts_match_reference,
+       .skip = [](const Case& c) { return c.layout == "one_expert_for_all" && c["E"] < 4; }},  // no expert 3
       {.op = "moe_combine",
        .shapes = grid({{"H", {1, 15, 16, 17, 33, 2048 + 3}}, {"k", {1, 2, 8}}}),
        .layouts = {"unweighted_out_input", "weighted_out_input", "weighted_rounded_out_input",
