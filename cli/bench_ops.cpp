@@ -25,7 +25,7 @@
 #include "cli/json_output.h"
 #include "cli/options.h"
 #include "cli/table.h"
-#include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "kernmap/memory.h"
 #include "kernmap/ops.h"
 
@@ -222,7 +222,7 @@ int bench_command(const Options& o) {
                  {{"copy_gbps", copy},
                   {"dense_gflops", dense},
                   {"threads", at::get_num_threads()},
-                  {"cpu_level", cpu::level_name(cpu::active_level())}}},
+                  {"cpu_level", cpu_level()}}},
                 {"results", results}});
     return 0;
   }
@@ -231,7 +231,7 @@ int bench_command(const Options& o) {
   std::printf(
       "; %d threads, CPU level %s; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), "
       "medians\n\n",
-      at::get_num_threads(), cpu::level_name(cpu::active_level()), o.warmup, o.reps);
+      at::get_num_threads(), cpu_level().c_str(), o.warmup, o.reps);
   Table t{{"op", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s",
            "floor ms", "x floor", "speedup"},
           {}};

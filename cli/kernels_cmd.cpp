@@ -11,7 +11,7 @@
 #include "cli/json_output.h"
 #include "cli/options.h"
 #include "cli/table.h"
-#include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "kernmap/plugins.h"
 #include "kernmap/registry.h"
 
@@ -82,9 +82,8 @@ Json kernels_json(const std::string& active, const std::vector<std::string>& lev
 }
 
 int kernels_command(bool json) {
-  std::vector<std::string> levels;
-  for (cpu::Level l : cpu::supported_levels()) levels.push_back(cpu::level_name(l));
-  const std::string active = cpu::level_name(cpu::active_level());
+  const std::vector<std::string> levels = supported_cpu_levels();
+  const std::string active = cpu_level();
 
   if (json) {
     print_json(kernels_json(active, levels));

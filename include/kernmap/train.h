@@ -15,31 +15,32 @@
 #include <utility>
 #include <vector>
 
+#include "kernmap/export.h"
 #include "kernmap/models.h"
 
 namespace kernmap::train {
 
 /// One supervised example: the loss covers response_ids only.
-struct Example {
+struct KERNMAP_API Example {
   std::vector<int64_t> prompt_ids;
   std::vector<int64_t> response_ids;
 };
 
 /// A data line that could not be used: its 1-based line number and what is wrong with it.
-struct DataIssue {
+struct KERNMAP_API DataIssue {
   int64_t line = 0;
   std::string problem;
 };
 
 /// Examples in file order, and every line that was skipped (with skip_bad_lines).
-struct Dataset {
+struct KERNMAP_API Dataset {
   std::string source;  ///< the file, or "synthetic(...)"
   std::vector<Example> examples;
   std::vector<DataIssue> skipped;
 };
 
 /// Data that cannot be used: the message lists every malformed line with its number.
-class DataError : public std::runtime_error {
+class KERNMAP_API DataError : public std::runtime_error {
  public:
   DataError(const std::string& what, std::vector<DataIssue> issues)
       : std::runtime_error(what), issues(std::move(issues)) {}
@@ -50,14 +51,15 @@ class DataError : public std::runtime_error {
 /// lines are not examples). A line is malformed when it is not a JSON object, lacks either key, has a
 /// non-integer or out-of-[0, vocab_size) id, an empty response, or fewer than 2 tokens in all. Malformed
 /// lines throw DataError (all of them listed) unless skip_bad_lines, which records them in Dataset::skipped.
-Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines);
+KERNMAP_API Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines);
 
 /// A deterministic synthetic task (the same for a given seed on every machine): prompts of seq_len / 2 random
 /// tokens, responses that continue them by a fixed rule, so the loss falls as the model learns it.
-Dataset synthetic_dataset(int64_t vocab_size, int64_t num_examples, int64_t seq_len, uint64_t seed = 1234);
+KERNMAP_API Dataset synthetic_dataset(int64_t vocab_size, int64_t num_examples, int64_t seq_len,
+                                      uint64_t seed = 1234);
 
 /// input_ids [B, S] and labels [B, S] int64: the examples of a step, right-padded to the longest.
-struct Batch {
+struct KERNMAP_API Batch {
   at::Tensor input_ids;
   at::Tensor labels;   ///< the token on response positions, -100 on prompt and padding
   int64_t tokens = 0;  ///< non-padding tokens
@@ -66,10 +68,10 @@ struct Batch {
 /// The batch of step `step` (0-based): examples (step * batch_size + b) mod N for b < batch_size, each
 /// prompt + response, right-padded with pad_id (labels -100 there). With causal attention, right padding
 /// changes no logit of a real token, so a padded batch computes what its examples compute alone.
-Batch make_batch(const Dataset& data, int64_t step, int64_t batch_size, int64_t pad_id);
+KERNMAP_API Batch make_batch(const Dataset& data, int64_t step, int64_t batch_size, int64_t pad_id);
 
 /// torch.optim.AdamW hyper-parameters (its defaults, except weight_decay and lr as set by the trainer).
-struct AdamWOptions {
+struct KERNMAP_API AdamWOptions {
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
@@ -81,7 +83,7 @@ struct AdamWOptions {
 /// decoupled decay p *= 1 - lr*wd; m.lerp_(g, 1-b1); v = v*b2 + (1-b2) g*g; p -= lr/bc1 * m /
 /// (sqrt(v)/sqrt(bc2)
 /// + eps). State is kept in each parameter's dtype.
-class AdamW {
+class KERNMAP_API AdamW {
  public:
   AdamW(std::vector<std::pair<std::string, at::Tensor>> params, AdamWOptions options);
   /// Sets every gradient to none (zero_grad(set_to_none=True)).
@@ -104,10 +106,11 @@ class AdamW {
 
 /// torch.nn.utils.clip_grad_norm_(params, max_norm): the 2-norm of the per-tensor 2-norms of the gradients,
 /// then every gradient times min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping.
-double clip_grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params, double max_norm);
+KERNMAP_API double clip_grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                                  double max_norm);
 
 /// What one optimisation step did.
-struct StepLog {
+struct KERNMAP_API StepLog {
   int64_t step = 0;  ///< 1-based
   double loss = 0;
   double grad_norm = 0;
@@ -118,14 +121,14 @@ struct StepLog {
   double tokens_per_s = 0;
 };
 
-struct TrainOptions {
+struct KERNMAP_API TrainOptions {
   int64_t batch_size = 4;
   double max_grad_norm = 1.0;
   AdamWOptions adam;
 };
 
 /// The SFT step loop over a model and a dataset (held by reference: it must outlive the trainer).
-class Trainer {
+class KERNMAP_API Trainer {
  public:
   Trainer(std::shared_ptr<CausalLM> model, const Dataset& data, TrainOptions options);
   /// forward, loss, backward, clip, update: one step on the next batch.
@@ -153,16 +156,16 @@ class Trainer {
 /// the rest stay on their reference kernels.
 using LayerSet = std::set<std::string>;
 /// "all", "none" or a comma list of layer names; throws std::invalid_argument for an unknown name.
-LayerSet parse_kernels(const std::string& text);
+KERNMAP_API LayerSet parse_kernels(const std::string& text);
 /// Kernelizes the layers in `layers` for training on the model's device and binds every other kernel layer to
 /// its reference. Returns the kernelize report of the final binding.
-Report bind_kernels(CausalLM& model, const LayerSet& layers);
+KERNMAP_API Report bind_kernels(CausalLM& model, const LayerSet& layers);
 
 /// Called after each step of a run: (steps done, steps in all).
 using Progress = std::function<void(int64_t, int64_t)>;
 
 /// Original (all references) and kernelized runs of the same model, data and seed, step by step.
-struct AlignResult {
+struct KERNMAP_API AlignResult {
   std::vector<StepLog> original, kernelized;
   Report report;  ///< the kernelized run's binding
   double max_loss_rel = 0, max_grad_norm_rel = 0;
@@ -171,13 +174,13 @@ struct AlignResult {
   bool passed = false;
 };
 /// make_model() must return the same initial model each call.
-AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
-                  const TrainOptions& options, const LayerSet& layers, int64_t steps, double rtol,
-                  const Progress& progress = {});
+KERNMAP_API AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model,
+                              const Dataset& data, const TrainOptions& options, const LayerSet& layers,
+                              int64_t steps, double rtol, const Progress& progress = {});
 
 /// One row of the ablation table. Every member has a default initializer: a row starts from its name and
 /// layers.
-struct AblationRow {
+struct KERNMAP_API AblationRow {
   std::string name{};  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
   LayerSet layers{};
   std::vector<double> seconds{};      ///< measured steps (warm-up excluded), wall clock
@@ -192,8 +195,9 @@ struct AblationRow {
 /// Rows original, +each layer the model has (of `layers`), all; each row trains its own copy of the model on
 /// the same batches. Steps are interleaved (step s of every row before step s+1 of any, rows in a rotating
 /// order) so that machine drift hits all rows alike.
-std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
-                                const Dataset& data, const TrainOptions& options, const LayerSet& layers,
-                                int64_t warmup, int64_t steps, const Progress& progress = {});
+KERNMAP_API std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
+                                            const Dataset& data, const TrainOptions& options,
+                                            const LayerSet& layers, int64_t warmup, int64_t steps,
+                                            const Progress& progress = {});
 
 }  // namespace kernmap::train

@@ -39,6 +39,7 @@ void experts_same_bits_at_any_thread_count(const Case& c);
 // harness_checks.cpp: the ops' errors, the levels, and the harness's proofs.
 void ops_name_the_bad_argument(const Case& c);
 void the_level_is_active(const Case& c);
+void the_public_level_functions_name_and_set_it(const Case& c);
 void fresh_allocations_are_nan(const Case& c);
 void an_unwritten_output_element_fails(const Case& c);
 

@@ -2,8 +2,12 @@
 // kernel that leaves an output element unwritten fails the common check.
 #include <gtest/gtest-spi.h>
 
+#include <algorithm>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "kernmap/cpu.h"
 #include "kernmap/ops.h"
 #include "tests/cpp/kernels/checks.h"
 
@@ -39,11 +43,44 @@ void ops_name_the_bad_argument(const Case&) {
 
 void the_level_is_active(const Case& c) {
   EXPECT_EQ(kernmap::cpu::active_level(), c.level);
+  EXPECT_EQ(kernmap::cpu_level(), kernmap::cpu::level_name(c.level));  // libkernmap's copy too
   const std::vector<kernmap::cpu::Level> levels = kernmap::cpu::supported_levels();
   ASSERT_FALSE(levels.empty());
   EXPECT_EQ(levels.front(), kernmap::cpu::Level::kBaseline);
   EXPECT_EQ(kernmap::cpu::parse_level(kernmap::cpu::level_name(c.level)), c.level);
   EXPECT_FALSE(kernmap::cpu::parse_level("sse9").has_value());
+}
+
+// kernmap/cpu.h names and sets libkernmap's level; a refused level changes nothing.
+void the_public_level_functions_name_and_set_it(const Case&) {
+  const std::vector<std::string> levels = kernmap::supported_cpu_levels();
+  std::vector<std::string> expected;
+  std::string runs;
+  for (kernmap::cpu::Level l : kernmap::cpu::supported_levels()) {
+    expected.emplace_back(kernmap::cpu::level_name(l));
+    runs += (runs.empty() ? "" : ", ") + expected.back();
+  }
+  EXPECT_EQ(levels, expected);
+  const std::string previous = kernmap::cpu_level();
+  EXPECT_NE(std::find(levels.begin(), levels.end(), previous), levels.end()) << previous;
+  kernmap::set_cpu_level("baseline");
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");
+  const auto refusal = [](const std::string& level) -> std::string {
+    try {
+      kernmap::set_cpu_level(level);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(refusal("sse9"), "set_cpu_level: unknown level 'sse9' (this CPU runs: " + runs + ")");
+  if (levels.size() < 4) {  // a compiled level this CPU cannot run (none on a CPU with avx512bf16)
+    EXPECT_EQ(refusal("avx512bf16"),
+              "set_cpu_level: this CPU cannot run level 'avx512bf16' (this CPU runs: " + runs + ")");
+  }
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");  // a refused level changes nothing
+  kernmap::set_cpu_level(previous);
+  EXPECT_EQ(kernmap::cpu_level(), previous);
 }
 
 void fresh_allocations_are_nan(const Case& c) {

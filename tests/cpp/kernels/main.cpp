@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "tests/cpp/kernels/harness.h"
 #include "tests/cpp/kernels/poison.h"
 
@@ -63,16 +64,24 @@ std::string shape_label(const Shape& s) {
   return out;
 }
 
+// Makes `level` active in both copies of the kernels: the suite's own (kernels/cpu/isa.h: the raw-kernel
+// checks call its kernel_table()) and libkernmap's (kernmap/cpu.h: the ops), separate since libkernmap
+// exports only its public API.
+void set_level(Level level) {
+  kernmap::cpu::set_level(level);
+  kernmap::set_cpu_level(kernmap::cpu::level_name(level));
+}
+
 // One case at one level: SetUp makes the level active (restored in TearDown) and seeds torch.
 class KernelCase : public ::testing::Test {
  public:
   KernelCase(Level level, const Row* row, Case c) : level_(level), row_(row), case_(std::move(c)) {}
   void SetUp() override {
     previous_ = kernmap::cpu::active_level();
-    kernmap::cpu::set_level(level_);
+    set_level(level_);
     at::manual_seed(0);
   }
-  void TearDown() override { kernmap::cpu::set_level(previous_); }
+  void TearDown() override { set_level(previous_); }
   void TestBody() override { row_->check(case_); }
 
  private:
