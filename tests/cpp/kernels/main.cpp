@@ -67,7 +67,7 @@ std::string shape_label(const Shape& s) {
 // Makes `level` active in both copies of the kernels: the suite's own (kernels/cpu/isa.h: the raw-kernel
 // checks call its kernel_table()) and libkernmap's (kernmap/cpu.h: the ops), separate since libkernmap
 // exports only its public API.
-void set_level(Level level) {
+void activate(Level level) {
   kernmap::cpu::set_level(level);
   kernmap::set_cpu_level(kernmap::cpu::level_name(level));
 }
@@ -78,10 +78,10 @@ class KernelCase : public ::testing::Test {
   KernelCase(Level level, const Row* row, Case c) : level_(level), row_(row), case_(std::move(c)) {}
   void SetUp() override {
     previous_ = kernmap::cpu::active_level();
-    set_level(level_);
+    activate(level_);
     at::manual_seed(0);
   }
-  void TearDown() override { set_level(previous_); }
+  void TearDown() override { activate(previous_); }
   void TestBody() override { row_->check(case_); }
 
  private:

@@ -48,10 +48,11 @@ std::pair<at::Tensor, at::Tensor> routing(const Case& c) {
   const int64_t T = c["T"], E = c["E"], k = c["k"];
   at::Tensor ids;
   if (c.layout == "one_expert_for_all") {
-    const at::Tensor others = at::argsort(at::rand({T, E - 1}), /*dim=*/1).narrow(1, 0, k - 1);
+    const at::Tensor others =
+        at::argsort(at::rand({T, E - 1}), /*dim=*/1, /*descending=*/false).narrow(1, 0, k - 1);
     ids = at::cat({at::full({T, 1}, 3, at::kLong), others + others.ge(3).to(at::kLong)}, 1).contiguous();
   } else {
-    ids = at::argsort(at::rand({T, E}), /*dim=*/1).narrow(1, 0, k).contiguous();
+    ids = at::argsort(at::rand({T, E}), /*dim=*/1, /*descending=*/false).narrow(1, 0, k).contiguous();
   }
   return {ids, at::rand({T, k}, at::kDouble).softmax(-1).to(c.dtype)};
 }
@@ -290,6 +291,11 @@ const std::vector<Row>& kernel_table() {
        .shapes = {Shape{}},
        .layouts = {""},
        .check = the_level_is_active,
+       .dtypes = kNoDtype},
+      {.op = "cpu_level_api",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = the_public_level_functions_name_and_set_it,
        .dtypes = kNoDtype},
       {.op = "poison",
        .shapes = {Shape{}},

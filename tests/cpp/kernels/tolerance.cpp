@@ -58,14 +58,13 @@ Tolerance tolerance(at::ScalarType dtype, int64_t terms) {
   const int64_t first = bad.nonzero()[0][0].item<int64_t>();
   const int64_t worst =
       at::where(bad, err.nan_to_num(INFINITY), at::zeros_like(err)).argmax().item<int64_t>();
-  auto at_index = [&](int64_t i) {
-    return "[" + std::to_string(i) + "]: got " + std::to_string(g[i].item<double>()) + ", want " +
-           std::to_string(w[i].item<double>());
-  };
-  return ::testing::AssertionFailure()
-         << bad.sum().item<int64_t>() << " of " << g.numel() << " elements not close (rtol " << tol.rtol
-         << ", atol " << tol.atol << "); first at flat " << at_index(first) << "; worst at flat "
-         << at_index(worst);
+  ::testing::AssertionResult failure = ::testing::AssertionFailure();
+  failure << bad.sum().item<int64_t>() << " of " << g.numel() << " elements not close (rtol " << tol.rtol
+          << ", atol " << tol.atol << ")";
+  for (const auto& [what, i] : {std::pair<const char*, int64_t>{"first", first}, {"worst", worst}})
+    failure << "; " << what << " at flat [" << i << "]: got " << g[i].item<double>() << ", want "
+            << w[i].item<double>();
+  return failure;
 }
 
 ::testing::AssertionResult same_bits(const at::Tensor& got, const at::Tensor& want) {
