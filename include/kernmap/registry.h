@@ -51,18 +51,19 @@ struct KERNMAP_API KernelInputs {
 };
 
 /// What a kernel is and what it supports; data, read by resolution (no per-kernel conditionals elsewhere).
+/// Every member has a default initializer, so a designated initializer may leave any of them out.
 struct KERNMAP_API KernelDescriptor {
-  std::string name;                  ///< "provider/name", e.g. "kernmap/rms_norm"
-  std::string layer;                 ///< layer it implements, e.g. "RMSNorm"
-  std::vector<std::string> devices;  ///< torch device type names; "*" means any device
-  std::vector<std::string> dtypes;   ///< dtype names it computes in
-  bool has_backward = false;         ///< usable for training
-  bool compile_safe = false;         ///< has fake/Meta implementations, usable under torch.compile
-  bool deterministic = true;         ///< bit-identical results across runs and thread counts
-  std::string op;           ///< torch op that runs it ("kernmap::rms_norm"); empty for non-torch kernels
-  std::string description;  ///< one line for `kernmap kernels`
+  std::string name{};                  ///< "provider/name", e.g. "kernmap/rms_norm"
+  std::string layer{};                 ///< layer it implements, e.g. "RMSNorm"
+  std::vector<std::string> devices{};  ///< torch device type names; "*" means any device
+  std::vector<std::string> dtypes{};   ///< dtype names it computes in
+  bool has_backward = false;           ///< usable for training
+  bool compile_safe = false;           ///< has fake/Meta implementations, usable under torch.compile
+  bool deterministic = true;           ///< bit-identical results across runs and thread counts
+  std::string op{};           ///< torch op that runs it ("kernmap::rms_norm"); empty for non-torch kernels
+  std::string description{};  ///< one line for `kernmap kernels`
   /// Shape/stride check: nullopt when the kernel takes these inputs, else the reason it does not.
-  std::function<std::optional<std::string>(const KernelInputs&)> supports;
+  std::function<std::optional<std::string>(const KernelInputs&)> supports{};
 
   /// The part of name before '/'.
   std::string provider() const;

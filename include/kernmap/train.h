@@ -215,12 +215,13 @@ KERNMAP_API AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& 
                               const Dataset& data, const TrainOptions& options, const LayerSet& layers,
                               int64_t steps, double rtol, const Progress& progress = {});
 
-/// One row of the ablation table.
+/// One row of the ablation table. Every member has a default initializer: a row starts from its name and
+/// layers.
 struct KERNMAP_API AblationRow {
-  std::string name;  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
-  LayerSet layers;
-  std::vector<double> seconds;      ///< measured steps (warm-up excluded), wall clock
-  std::vector<double> cpu_seconds;  ///< the same steps in process CPU time
+  std::string name{};  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
+  LayerSet layers{};
+  std::vector<double> seconds{};      ///< measured steps (warm-up excluded), wall clock
+  std::vector<double> cpu_seconds{};  ///< the same steps in process CPU time
   double median_s = 0, p25_s = 0, p75_s = 0, min_s = 0;
   double median_cpu_s = 0;
   double speedup_pct = 0;      ///< (original median / this median - 1) * 100, wall clock

@@ -47,6 +47,17 @@ void block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, 
 }
 
 #if defined(__AVX512BF16__)
+// The sum of the 16 lanes, associated as GCC's _mm512_reduce_add_ps does (the halves, the quarters of that,
+// then pairs: the same bits). Not that intrinsic itself, nor _mm512_castps512_ps256: in GCC 12.0-12.2 both go
+// through _mm512_extractf64x4_pd, which passes _mm256_undefined_pd(), a self-initialized variable that
+// -Wuninitialized reports wherever it is inlined (GCC bug 105593).
+inline float reduce_add(__m512 v) {
+  const __m256 s8 = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_extractf32x8_ps(v, 0));
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
 // bf16 with the dot-product instruction: each lane adds a[2l] * b[2l] + a[2l+1] * b[2l+1] (exact products,
 // fp32 sums) — both operands K-contiguous, so 32 elements of K per instruction and no conversions.
 template <int MR, int NR>
@@ -65,7 +76,7 @@ void block(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloa
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
-      float s = _mm512_reduce_add_ps(acc[i][j]);
+      float s = reduce_add(acc[i][j]);
       for (int64_t k = Kb; k < K; ++k) s += to_float(A[i * lda + k]) * to_float(B[j * ldb + k]);
       C[i * ldc + j] = from_acc<BFloat16>(s);
     }

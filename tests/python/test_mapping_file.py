@@ -3,15 +3,10 @@ use_mapping(path) and `kernmap ... --mapping FILE`; equivalent JSON and TOML fil
 gives the location and the problem (Python: KernmapError; CLI: exit code 2, no crash)."""
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
 import kernmap
-
-ROOT = Path(__file__).resolve().parents[2]
 
 TOML = """\
 # RMSNorm on cpu: the reference for inference, the fused kernel for training
@@ -120,32 +115,28 @@ def test_missing_file_is_an_error(tmp_path):
         kernmap.register_mapping(tmp_path / "nope.toml")
 
 
-def kernmap_cli(*args):
-    return subprocess.run([str(ROOT / "scripts" / "kernmap"), *args], capture_output=True, text=True, timeout=300)
-
-
 def plan_kernels(stdout):
     return {row["path"]: row["kernel"] for row in json.loads(stdout)["layers"]}
 
 
-def test_cli_plan_shows_the_mapped_kernel(files):
+def test_cli_plan_shows_the_mapped_kernel(files, run_cli):
     toml, js = files
-    base = kernmap_cli("plan", "--preset", "qwen2-tiny", "--mode", "inference", "--json")
+    base = run_cli("plan", "--preset", "qwen2-tiny", "--mode", "inference", "--json")
     assert base.returncode == 0, base.stderr
     assert plan_kernels(base.stdout)["model.norm"] == "kernmap/rms_norm"
     for path in (toml, js):
-        out = kernmap_cli("plan", "--preset", "qwen2-tiny", "--mode", "inference", "--json", "--mapping", str(path))
+        out = run_cli("plan", "--preset", "qwen2-tiny", "--mode", "inference", "--json", "--mapping", str(path))
         assert out.returncode == 0, out.stderr
         kernels = plan_kernels(out.stdout)
         assert kernels["model.norm"] == "reference/rms_norm"
         assert kernels["model.layers.0.mlp"] == "reference/silu_and_mul"
 
 
-def test_cli_applies_mapping_files_in_order(tmp_path, files):
+def test_cli_applies_mapping_files_in_order(tmp_path, files, run_cli):
     toml, _ = files
     later = tmp_path / "later.json"
     later.write_text('{"RMSNorm": {"cpu": "kernmap/rms_norm"}}')
-    out = kernmap_cli("plan", "--preset", "qwen2-tiny", "--mode", "inference", "--json", "--mapping", str(toml),
+    out = run_cli("plan", "--preset", "qwen2-tiny", "--mode", "inference", "--json", "--mapping", str(toml),
                       f"--mapping={later}")
     assert out.returncode == 0, out.stderr
     kernels = plan_kernels(out.stdout)
@@ -153,9 +144,9 @@ def test_cli_applies_mapping_files_in_order(tmp_path, files):
     assert kernels["model.layers.0.mlp"] == "reference/silu_and_mul"  # the first file's other entries stay
 
 
-def test_cli_kernels_command_takes_mapping(files):
+def test_cli_kernels_command_takes_mapping(files, run_cli):
     toml, _ = files
-    doc = json.loads(kernmap_cli("kernels", "--json", "--mapping", str(toml)).stdout)
+    doc = json.loads(run_cli("kernels", "--json", "--mapping", str(toml)).stdout)
     d = {(r["layer"], r["device"], r["mode"]): r for r in doc["resolution"]}
     assert d[("RMSNorm", "cpu", "inference")]["kernel"] == "reference/rms_norm"
     assert d[("RMSNorm", "cpu", "training")]["kernel"] == "kernmap/rms_norm"
@@ -164,10 +155,10 @@ def test_cli_kernels_command_takes_mapping(files):
 @pytest.mark.parametrize("command", [["kernels"], ["plan", "--preset", "qwen2-tiny"], ["train", "--preset", "qwen2-tiny"],
                                      ["align", "--preset", "qwen2-tiny"], ["ablate", "--preset", "qwen2-tiny"],
                                      ["bench", "ops"]])
-def test_cli_bad_mapping_file_stops_every_command_with_exit_code_2(tmp_path, command):
+def test_cli_bad_mapping_file_stops_every_command_with_exit_code_2(tmp_path, command, run_cli):
     bad = tmp_path / "bad.toml"
     bad.write_text('[RMSNorm.cpu]\ntraining = "kernmap/nope"\n')
-    out = kernmap_cli(*command, "--mapping", str(bad))
+    out = run_cli(*command, "--mapping", str(bad))
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stderr == (f"kernmap {command[0]}: {bad}:2:12: unknown kernel 'kernmap/nope' for layer 'RMSNorm' on "
                           "device 'cpu' (training) (registered kernels of layer 'RMSNorm': kernmap/rms_norm, "
@@ -175,14 +166,14 @@ def test_cli_bad_mapping_file_stops_every_command_with_exit_code_2(tmp_path, com
     assert out.stdout == ""
 
 
-def test_cli_mapping_without_a_file():
-    out = kernmap_cli("plan", "--preset", "qwen2-tiny", "--mapping")
+def test_cli_mapping_without_a_file(run_cli):
+    out = run_cli("plan", "--preset", "qwen2-tiny", "--mapping")
     assert out.returncode == 2
     assert out.stderr == "kernmap plan: --mapping needs a file (.json or .toml)\n"
 
 
-def test_cli_usage_mentions_mapping():
-    assert "--mapping FILE" in kernmap_cli("--help").stdout
+def test_cli_usage_mentions_mapping(run_cli):
+    assert "--mapping FILE" in run_cli("--help").stdout
 
 
 def test_huge_and_deep_files_are_refused_cleanly(tmp_path):

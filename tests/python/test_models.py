@@ -303,12 +303,8 @@ def test_sharded_index_disagreeing_with_the_shards(checkpoints, tmp_path):
 # ---- kernmap plan ----
 
 
-def kernmap(*args):
-    return subprocess.run([str(ROOT / "scripts" / "kernmap"), *args], capture_output=True, text=True, timeout=300)
-
-
-def test_plan_qwen3_moe_tiny_maps_every_layer_to_a_kernmap_kernel():
-    out = kernmap("plan", "--preset", "qwen3-moe-tiny", "--json")
+def test_plan_qwen3_moe_tiny_maps_every_layer_to_a_kernmap_kernel(run_cli):
+    out = run_cli("plan", "--preset", "qwen3-moe-tiny", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["device"] == "cpu" and doc["mode"] == "training"
@@ -316,13 +312,13 @@ def test_plan_qwen3_moe_tiny_maps_every_layer_to_a_kernmap_kernel():
     assert layers == {"RMSNorm", "Experts"}
     for layer in doc["layers"]:
         assert not layer["fallback"] and layer["kernel"].startswith("kernmap/"), layer
-    text = kernmap("plan", "--preset", "qwen3-moe-tiny")
+    text = run_cli("plan", "--preset", "qwen3-moe-tiny")
     assert "model.layers.0.mlp.experts" in text.stdout and "kernmap/experts" in text.stdout
 
 
-def test_plan_reads_a_transformers_checkpoint_without_its_weights(checkpoints, tmp_path):
+def test_plan_reads_a_transformers_checkpoint_without_its_weights(checkpoints, tmp_path, run_cli):
     shutil.copy(checkpoints["qwen2_moe"][1] / "config.json", tmp_path / "config.json")  # config only
-    out = kernmap("plan", "--model", str(tmp_path), "--mode", "inference", "--json")
+    out = run_cli("plan", "--model", str(tmp_path), "--mode", "inference", "--json")
     assert out.returncode == 0, out.stderr
     paths = {layer["path"]: layer for layer in json.loads(out.stdout)["layers"]}
     assert paths["model.layers.1.mlp"]["layer"] == "SiluAndMul"  # mlp_only_layers
@@ -330,15 +326,13 @@ def test_plan_reads_a_transformers_checkpoint_without_its_weights(checkpoints, t
     assert paths["model.layers.2.mlp.experts"]["kernel"] == "kernmap/experts"
 
 
-def test_plan_errors():
-    assert "give exactly one of" in kernmap("plan").stderr
-    assert "unknown preset 'nope'" in kernmap("plan", "--preset", "nope").stderr
+def test_plan_errors(run_cli):
+    assert "give exactly one of" in run_cli("plan").stderr
+    assert "unknown preset 'nope'" in run_cli("plan", "--preset", "nope").stderr
 
 
-def test_plan_shows_the_reference_and_the_reason_when_a_layer_is_disabled():
-    env = dict(os.environ, KERNMAP_DISABLE="Experts")
-    out = subprocess.run([str(ROOT / "scripts" / "kernmap"), "plan", "--preset", "qwen3-moe-tiny", "--json"],
-                         capture_output=True, text=True, timeout=300, env=env)
+def test_plan_shows_the_reference_and_the_reason_when_a_layer_is_disabled(run_cli):
+    out = run_cli("plan", "--preset", "qwen3-moe-tiny", "--json", env={"KERNMAP_DISABLE": "Experts"})
     for layer in json.loads(out.stdout)["layers"]:
         if layer["layer"] == "Experts":
             assert layer["kernel"] == "reference/experts" and layer["reason"] == "disabled by KERNMAP_DISABLE"

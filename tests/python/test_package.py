@@ -1,4 +1,5 @@
-"""The installed package (pip, scikit-build-core: what scripts/setup installs) and the benchmark's command line."""
+"""The installed package (what scripts/setup installs from build/release: cmake/PythonPackage.cmake) and the
+benchmark's command line."""
 
 import json
 import os

@@ -46,11 +46,6 @@ def run_python(code: str, **env):
                           env=full_env, timeout=300)
 
 
-def kernmap_cli(*args, **env):
-    return subprocess.run([str(ROOT / "scripts" / "kernmap"), *args], capture_output=True, text=True,
-                          env=dict(os.environ, **env), timeout=300)
-
-
 def test_import_loads_kernmap_path_and_kernelize_runs_the_plugin_kernel(tmp_path):
     lib = add_package(tmp_path, "kmgood", "kmgood", "kmgood")
     add_package(tmp_path, "throws", "kmthrows", "kmthrows")
@@ -134,13 +129,13 @@ def test_strict_load_raises_with_the_report_and_import_never_raises(tmp_path):
     assert "1 plugin package(s) refused" in message and "sha256 mismatch" in message and "0" * 64 in message
 
 
-def test_cli_lists_repositories_packages_and_reasons(tmp_path):
+def test_cli_lists_repositories_packages_and_reasons(tmp_path, run_cli):
     add_package(tmp_path, "kmgood", "kmgood", "kmgood")
     add_package(tmp_path, "old-torch", "kmold", "kmzero", torch="1.13")
     (tmp_path / "not-elf" / "lib").mkdir(parents=True)
     (tmp_path / "not-elf" / "lib" / "libkmzero.so").write_text("text")
     add_package(tmp_path, "zero", "kmzero", "kmzero")
-    out = kernmap_cli("kernels", "--json", KERNMAP_PATH=str(tmp_path))
+    out = run_cli("kernels", "--json", env={"KERNMAP_PATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     plugins = json.loads(out.stdout)["plugins"]
     assert plugins["repositories"] == [{"path": str(tmp_path), "has_lock": False, "error": ""}]
@@ -153,16 +148,16 @@ def test_cli_lists_repositories_packages_and_reasons(tmp_path):
     assert by_folder["zero"]["reason"] == "the plugin's score is 0: no acme NPU on this machine"
     assert "refused: no manifest.json" in out.stderr
 
-    text = kernmap_cli("kernels", KERNMAP_PATH=str(tmp_path))
+    text = run_cli("kernels", env={"KERNMAP_PATH": str(tmp_path)})
     assert text.returncode == 0, text.stderr
     assert "Kernel repositories (KERNMAP_PATH)" in text.stdout
     assert "kmgood/rms_norm,kmgood/rms_norm_npu" in text.stdout
     assert "no acme NPU on this machine" in text.stdout
 
 
-def test_cli_lock_pins_hashes_equal_to_hashlib_and_refuses_a_mismatch(tmp_path):
+def test_cli_lock_pins_hashes_equal_to_hashlib_and_refuses_a_mismatch(tmp_path, run_cli):
     good = add_package(tmp_path, "kmgood", "kmgood", "kmgood")
-    out = kernmap_cli("lock", str(tmp_path))
+    out = run_cli("lock", str(tmp_path))
     assert out.returncode == 0, out.stderr
     lock = json.loads((tmp_path / "kernmap.lock").read_text())
     # kernmap's own SHA-256 against Python's hashlib on a real shared library.
@@ -171,14 +166,14 @@ def test_cli_lock_pins_hashes_equal_to_hashlib_and_refuses_a_mismatch(tmp_path):
 
     # A locked repository loads; a library changed after locking is refused (its manifest updated to match).
     add_package(tmp_path, "kmgood", "kmgood", "kmrival")
-    out = kernmap_cli("kernels", "--json", KERNMAP_PATH=str(tmp_path))
+    out = run_cli("kernels", "--json", env={"KERNMAP_PATH": str(tmp_path)})
     package = json.loads(out.stdout)["plugins"]["packages"][0]
     assert package["state"] == "refused"
     assert "kernmap.lock does not list sha256" in package["reason"]
 
     add_package(tmp_path, "kmrival", "kmrival", "kmrival", sha256="f" * 64)
     (tmp_path / "kernmap.lock").unlink()
-    out = kernmap_cli("lock", str(tmp_path))
+    out = run_cli("lock", str(tmp_path))
     assert out.returncode == 1
     assert "not written" in out.stderr and "kmrival/manifest.json: variants[0].sha256" in out.stderr
     assert not (tmp_path / "kernmap.lock").exists()

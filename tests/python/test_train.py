@@ -21,8 +21,6 @@ from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2Mo
                           Qwen3MoeForCausalLM)
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("KERNMAP_BUILD", ROOT / "build" / "release"))
-KERNMAP = BUILD / "kernmap"
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
               rms_norm_eps=1e-6, max_position_embeddings=64)
@@ -39,11 +37,17 @@ FAMILIES = {
 STEPS, BATCH, LR, WD, MAX_NORM = 20, 2, 1e-3, 0.01, 1.0
 
 
-def kernmap(*args, check=True, **kw):
-    out = subprocess.run([str(KERNMAP), *map(str, args)], capture_output=True, text=True, timeout=300, **kw)
-    if check:
-        assert out.returncode == 0, out.stderr
-    return out
+@pytest.fixture
+def kernmap(run_cli):
+    """run_cli (conftest.py) that also checks the command succeeded, unless check=False."""
+
+    def run(*args, check=True):
+        out = run_cli(*args)
+        if check:
+            assert out.returncode == 0, out.stderr
+        return out
+
+    return run
 
 
 def write_examples(path, vocab, n=7, seed=3):
@@ -99,7 +103,7 @@ def make_checkpoint(family, path, seed=0):
 
 @pytest.mark.parametrize("kernels", ["none", "all"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_sft_run_equals_transformers(family, kernels, tmp_path):
+def test_sft_run_equals_transformers(family, kernels, tmp_path, kernmap):
     model = make_checkpoint(family, tmp_path / "ckpt")
     examples = write_examples(tmp_path / "data.jsonl", model.config.vocab_size)
     ours = json.loads(kernmap("train", "--model", tmp_path / "ckpt", "--data", tmp_path / "data.jsonl", "--steps",
@@ -117,7 +121,7 @@ def test_sft_run_equals_transformers(family, kernels, tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"])
-def test_align_passes_on_presets(preset):
+def test_align_passes_on_presets(preset, kernmap):
     out = json.loads(kernmap("align", "--preset", preset, "--steps", 20, "--seq-len", 64, "--json").stdout)
     assert out["passed"], (out["max_loss_rel"], out["max_grad_norm_rel"])
     assert out["max_loss_rel"] <= 1e-5 and out["max_grad_norm_rel"] <= 1e-5
@@ -125,12 +129,12 @@ def test_align_passes_on_presets(preset):
     assert len(out["original"]) == len(out["kernelized"]) == 20
 
 
-def test_align_human_output_has_a_verdict():
+def test_align_human_output_has_a_verdict(kernmap):
     out = kernmap("align", "--preset", "qwen2-tiny", "--steps", 3, "--seq-len", 32).stdout
     assert "verdict: PASS" in out and "grad_norm" in out
 
 
-def test_resume_continues_the_exact_sequence(tmp_path):
+def test_resume_continues_the_exact_sequence(tmp_path, kernmap):
     args = ["--preset", "qwen2-moe-tiny", "--seq-len", 48, "--json"]
     full = json.loads(kernmap("train", *args, "--steps", 12).stdout)["steps"]
     kernmap("train", *args, "--steps", 6, "--save", tmp_path / "ck")
@@ -140,10 +144,10 @@ def test_resume_continues_the_exact_sequence(tmp_path):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
 
 
-def test_killed_save_leaves_previous_checkpoint(tmp_path):
+def test_killed_save_leaves_previous_checkpoint(tmp_path, kernmap):
     ck = tmp_path / "ck"
     args = ["--preset", "qwen2-tiny", "--seq-len", 32, "--json"]
-    cmd = [KERNMAP, "train", *args, "--steps", 8, "--save", ck, "--save-every", 4]
+    cmd = [ROOT / "scripts" / "kernmap", "train", *args, "--steps", 8, "--save", ck, "--save-every", 4]
     proc = subprocess.Popen([str(c) for c in cmd],
                             env={**os.environ, "KERNMAP_TEST_SAVE_PAUSE_S": "2"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
@@ -164,7 +168,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     assert [s["loss"] for s in resumed] == [s["loss"] for s in full[4:]]
 
 
-def test_malformed_jsonl_lines_are_reported(tmp_path):
+def test_malformed_jsonl_lines_are_reported(tmp_path, kernmap):
     data = tmp_path / "bad.jsonl"
     data.write_text("\n".join([
         '{"prompt_ids": [1, 2], "response_ids": [3, 4]}',
@@ -191,7 +195,7 @@ def test_malformed_jsonl_lines_are_reported(tmp_path):
     assert len(out["steps"]) == 2
 
 
-def test_ablate_rows_and_numbers():
+def test_ablate_rows_and_numbers(kernmap):
     out = json.loads(kernmap("ablate", "--preset", "qwen3-moe-tiny", "--steps", 3, "--warmup", 1, "--seq-len", 16,
                              "--json").stdout)
     rows = {r["name"]: r for r in out["rows"]}

@@ -1,0 +1,179 @@
+// RMSNorm and SiLU-family checks beyond the reference comparison: the raw kernels' streaming stores, the
+// eager roundings in 16-bit dtypes, extreme and non-finite inputs, empty inputs.
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
+#include "ops/checks.h"
+#include "tests/cpp/kernels/checks.h"
+
+namespace kernmap::testing {
+
+// Streaming stores (asked for by the ops when outputs exceed the last-level cache) write the same bits as
+// normal stores: on aligned rows (where they are taken), on rows a stride away that breaks the alignment, on
+// a misaligned start and on widths with scalar tails (where the kernels fall back to normal stores).
+void streaming_stores_write_the_same_bits(const Case& c) {
+  const auto& k = kernmap::cpu::kernel_table();
+  const auto dt = kernmap::ops::cpu_dtype(c.dtype);
+  const at::ScalarType acc = acc_of(c.dtype);
+  const int64_t n = c["n"], offset = c.layout == "offset1" ? 1 : 0, rows = 5;
+  const at::Tensor x = randn({rows, n}, c.dtype), u = randn({rows, n}, c.dtype),
+                   dy = randn({rows, n}, c.dtype);
+  const at::Tensor w = (1 + 0.1 * at::randn({n}, at::kDouble)).to(acc);
+  // Output buffers [rows, cols] starting `offset` elements into a fresh (poisoned, 64-byte aligned) block.
+  auto out = [&](int64_t cols) {
+    return at::empty({rows * cols + offset}, at::TensorOptions(c.dtype)).narrow(0, offset, rows * cols);
+  };
+  std::vector<at::Tensor> results[2];
+  for (bool stream : {false, true}) {
+    at::Tensor y = out(n), rstd = at::empty({rows}, at::TensorOptions(acc));
+    k.rms_norm_fwd(dt, dt, x.const_data_ptr(), n, w.const_data_ptr(), y.data_ptr(), rstd.data_ptr(), 0, rows,
+                   n, 1e-6, stream);
+    at::Tensor dx = out(n), dw = at::zeros({n}, at::TensorOptions(acc));
+    k.rms_norm_bwd(dt, dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, w.const_data_ptr(),
+                   rstd.const_data_ptr(), dx.data_ptr(), dw.data_ptr(), 0, rows, n, stream);
+    at::Tensor s = out(n), ds = out(n), sm = out(n);
+    k.silu_fwd(dt, x.const_data_ptr(), n, s.data_ptr(), 0, rows, n, stream);
+    k.silu_bwd(dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, ds.data_ptr(), 0, rows, n, stream);
+    k.silu_and_mul_fwd(dt, x.const_data_ptr(), n, u.const_data_ptr(), n, sm.data_ptr(), 0, rows, n, stream);
+    // Backward into a packed [rows, 2n] gradient, as swiglu_backward writes it.
+    at::Tensor packed = out(2 * n);
+    const int64_t half = n * packed.element_size();
+    k.silu_and_mul_bwd(dt, dy.const_data_ptr(), n, x.const_data_ptr(), n, u.const_data_ptr(), n,
+                       packed.data_ptr(), 2 * n, static_cast<char*>(packed.data_ptr()) + half, 2 * n, 0, rows,
+                       n, stream);
+    results[stream] = {y, rstd, dx, dw, s, ds, sm, packed};
+  }
+  for (size_t i = 0; i < results[0].size(); ++i) {
+    SCOPED_TRACE("output " + std::to_string(i));
+    EXPECT_TRUE(same_bits(results[1][i], results[0][i]));
+    // And every element is the kernels' (a skipped block would still hold the poison).
+    EXPECT_FALSE(results[1][i].isnan().any().item<bool>());
+  }
+}
+
+namespace {
+
+// The kernels emulate the eager module's roundings; at::silu in the same dtype evaluates with another exp and
+// division, so a few results may land on the other side of a rounding boundary, but no further.
+::testing::AssertionResult nearly_bit_exact(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor gb = got.contiguous().view(at::kShort).to(at::kInt);
+  const at::Tensor wb = want.contiguous().view(at::kShort).to(at::kInt);
+  const at::Tensor same = got.eq(want) | gb.eq(wb);
+  const double identical = same.to(at::kDouble).mean().item<double>();
+  const int64_t max_ulps = at::where(same, at::zeros_like(gb), (gb - wb).abs()).max().item<int64_t>();
+  if (identical >= 0.99 && max_ulps <= 1) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "identical " << identical << ", max ulps apart " << max_ulps;
+}
+
+}  // namespace
+
+void low_precision_silu_matches_eager_bits(const Case& c) {
+  const at::Tensor g = (3 * at::randn({c["rows"], c["n"]}, at::kDouble)).to(c.dtype);
+  const at::Tensor u = randn({c["rows"], c["n"]}, c.dtype);
+  EXPECT_TRUE(nearly_bit_exact(kernmap::silu_and_mul(g, u), at::silu(g) * u));
+  EXPECT_TRUE(nearly_bit_exact(kernmap::silu(g), at::silu(g)));
+}
+
+namespace {
+
+// The smallest normal and the largest finite value of a floating dtype.
+std::pair<double, double> normal_range(at::ScalarType t) {
+  std::pair<double, double> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t, "normal_range", [&] {
+    out = {static_cast<double>(std::numeric_limits<scalar_t>::min()),
+           static_cast<double>(std::numeric_limits<scalar_t>::max())};
+  });
+  return out;
+}
+
+// Eager's value, element by element: NaN where eager gives NaN, the same infinity, a zero of the same sign
+// where eager gives a signed zero, and otherwise within rtol of eager's value (plus the dtype's smallest
+// normal number: the avx512bf16 level flushes bfloat16 subnormal results to zero, see vec.h).
+::testing::AssertionResult eager_values(const at::Tensor& got, const at::Tensor& want, const at::Tensor& x,
+                                        double rtol) {
+  const at::Tensor g = got.to(at::kDouble).contiguous().view(-1),
+                   w = want.to(at::kDouble).contiguous().view(-1);
+  const at::Tensor xs = x.to(at::kDouble).contiguous().view(-1);
+  const double tiny = normal_range(want.scalar_type()).first;
+  std::ostringstream wrong;
+  for (int64_t i = 0; i < w.numel(); ++i) {
+    const double a = g[i].item<double>(), b = w[i].item<double>();
+    const bool same = std::isnan(b)   ? std::isnan(a)
+                      : std::isinf(b) ? a == b
+                      : b == 0        ? a == 0 && std::signbit(a) == std::signbit(b)
+                                      : std::abs(a - b) <= rtol * std::abs(b) + tiny;
+    if (!same) wrong << "\n  x = " << xs[i].item<double>() << ": got " << a << ", eager " << b;
+  }
+  if (!wrong.str().empty()) return ::testing::AssertionFailure() << wrong.str();
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace
+
+// SiLU's non-finite and huge inputs, where the kernels' exp and reciprocal leave their usual range: eager
+// computes x / (1 + exp(-x)), so silu(-inf) is NaN, silu(-1e30) is -0 and silu'(+inf) is NaN. Each value sits
+// in several lane positions of full blocks and of the scalar tail; forward and backward of silu, silu_and_mul
+// and swiglu.
+void silu_handles_extreme_inputs(const Case& c) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto [smallest, max] = normal_range(c.dtype);
+  const double denormal = smallest / 8;
+  const std::vector<double> special = {-inf, inf,   std::nan(""), -1e30, 1e30, -1e4,     1e4,       -88.7,
+                                       88.7, -89,   89,           -0.0,  0.0,  denormal, -denormal, max,
+                                       -max, -87.5, 17.0,         -17.0, 104,  -104};
+  std::vector<double> values;
+  for (int shift = 0; shift < 3; ++shift)
+    for (size_t i = 0; i < special.size(); ++i) values.push_back(special[(i + shift * 7) % special.size()]);
+  const int64_t n = static_cast<int64_t>(values.size());
+  const at::Tensor x0 = at::tensor(values, at::kDouble).to(c.dtype).view({1, n});
+  const at::Tensor u0 = (at::rand({1, n}, at::kDouble) + 0.5).to(c.dtype);
+  const at::Tensor dy = (at::rand({1, n}, at::kDouble) - 0.5).to(c.dtype);
+  const double rtol = tolerance(c.dtype).rtol;
+  auto grad_of = [&](auto&& fn, std::vector<at::Tensor> inputs) {
+    for (at::Tensor& t : inputs) t = t.clone().requires_grad_(true);
+    const at::Tensor y = fn(inputs);
+    torch::autograd::backward({y}, {dy});
+    std::vector<at::Tensor> out = {y.detach()};
+    for (const at::Tensor& t : inputs) out.push_back(t.grad());
+    return out;
+  };
+  const auto silu = grad_of([](const auto& in) { return kernmap::silu(in[0]); }, {x0});
+  const auto eager_silu = grad_of([](const auto& in) { return at::silu(in[0]); }, {x0});
+  EXPECT_TRUE(eager_values(silu[0], eager_silu[0], x0, rtol)) << "silu forward";
+  EXPECT_TRUE(eager_values(silu[1], eager_silu[1], x0, rtol)) << "silu backward";
+
+  const auto mul = grad_of([](const auto& in) { return kernmap::silu_and_mul(in[0], in[1]); }, {x0, u0});
+  const auto eager_mul = grad_of([](const auto& in) { return at::silu(in[0]) * in[1]; }, {x0, u0});
+  for (size_t i = 0; i < mul.size(); ++i)
+    EXPECT_TRUE(eager_values(mul[i], eager_mul[i], x0, rtol)) << "silu_and_mul output " << i;
+
+  const at::Tensor packed = at::cat({x0, u0}, -1);
+  const auto sw = grad_of([](const auto& in) { return kernmap::swiglu(in[0]); }, {packed});
+  const auto eager_sw = grad_of([](const auto& in) { return kernmap::reference::swiglu(in[0]); }, {packed});
+  EXPECT_TRUE(eager_values(sw[0], eager_sw[0], x0, rtol)) << "swiglu forward";
+  EXPECT_TRUE(eager_values(sw[1], eager_sw[1], at::cat({x0, x0}, -1), rtol)) << "swiglu backward";
+}
+
+void empty_inputs(const Case& c) {
+  const at::Tensor x = at::empty({0, 16}, c.dtype);
+  const at::Tensor w = at::ones({16}, c.dtype).requires_grad_(true);
+  const at::Tensor xg = x.clone().requires_grad_(true);
+  const at::Tensor y = kernmap::rms_norm(xg, w, 1e-6);
+  EXPECT_EQ(y.sizes(), x.sizes());
+  torch::autograd::backward({y}, {at::empty_like(y)});
+  EXPECT_EQ(w.grad().sizes(), w.sizes());
+  EXPECT_EQ(w.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(kernmap::silu_and_mul(x, x).sizes(), x.sizes());
+  EXPECT_EQ(kernmap::swiglu(x).sizes(), (at::IntArrayRef{0, 8}));
+  EXPECT_EQ(kernmap::silu(at::empty({0}, c.dtype)).sizes(), (at::IntArrayRef{0}));
+}
+
+}  // namespace kernmap::testing

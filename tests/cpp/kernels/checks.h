@@ -1,0 +1,46 @@
+// The table's checks that are not "an op against its reference" (expect_matches_reference): bit-level
+// properties of the raw kernels, bounds against float64 math, non-finite inputs, thread-count invariance, the
+// ops' errors, and the harness's own proofs. Each runs one case of its row in table.cpp.
+#pragma once
+
+#include "tests/cpp/kernels/harness.h"
+
+namespace kernmap::testing {
+
+// activation_checks.cpp: RMSNorm and the SiLU family.
+/// Sizes n; layouts "aligned", "offset1" (outputs one element into a fresh block).
+void streaming_stores_write_the_same_bits(const Case& c);
+/// Sizes rows, n; bfloat16 and float16.
+void low_precision_silu_matches_eager_bits(const Case& c);
+void silu_handles_extreme_inputs(const Case& c);
+void empty_inputs(const Case& c);
+
+// grouped_checks.cpp: grouped_mm forward and backward.
+/// Sizes K, N, groups; layouts "contiguous", "strided".
+void grouped_mm_small_groups_within_float64_bound(const Case& c);
+void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c);
+void grouped_mm_same_bits_at_any_thread_count(const Case& c);
+/// Sizes K, N, groups; layouts "b_EKN", "b_ENK_transposed".
+void grouped_mm_backward_within_float64_bound_and_thread_count_free(const Case& c);
+
+// gemm_bcast_checks.cpp: the outer-product kernel of the grouped backward. Sizes M, N, P; layouts "A" or "At"
+// (A transposed), with "_B4k" (B's rows 4 KiB apart).
+void gemm_bcast_within_float64_bound(const Case& c);
+void gemm_bcast_independent_of_row_split_and_streaming(const Case& c);
+void gemm_bcast_short_reductions_match_small_calls(const Case& c);
+
+// combine_checks.cpp: the MoE combine kernels and the Experts op.
+/// Sizes H, k; layouts <unweighted|weighted|weighted_rounded>_<out_input|out_acc>.
+void moe_combine_has_the_bits_of_the_scalar_math(const Case& c);
+/// Sizes H, k.
+void moe_combine_backward_matches_scalar_math_and_float64(const Case& c);
+void experts_same_bits_at_any_thread_count(const Case& c);
+
+// harness_checks.cpp: the ops' errors, the levels, and the harness's proofs.
+void ops_name_the_bad_argument(const Case& c);
+void the_level_is_active(const Case& c);
+void the_public_level_functions_name_and_set_it(const Case& c);
+void fresh_allocations_are_nan(const Case& c);
+void an_unwritten_output_element_fails(const Case& c);
+
+}  // namespace kernmap::testing

@@ -1,0 +1,174 @@
+// grouped_mm beyond the reference comparison: the forward's small-group kernel against float64 with an error
+// bound per element, non-finite inputs, thread-count invariance, and the backward against float64.
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "kernmap/ops.h"
+#include "tests/cpp/kernels/checks.h"
+
+namespace kernmap::testing {
+namespace {
+
+// The forward against float64 math, with an error bound per element: the output's rounding plus fp32
+// accumulation over K terms (K * 2^-23 * sum_k |a_k b_k|; fp64 for float64).
+::testing::AssertionResult within_bound(const at::Tensor& got, const at::Tensor& a, const at::Tensor& b,
+                                        const at::Tensor& offs) {
+  const at::Tensor ad = a.to(at::kDouble), bd = b.to(at::kDouble);
+  const at::Tensor ref = at::empty({a.size(0), b.size(2)}, at::kDouble), mag = at::empty_like(ref);
+  int64_t start = 0;
+  for (int64_t e = 0; e < offs.size(0); ++e) {
+    const int64_t end = offs[e].item<int64_t>();
+    ref.slice(0, start, end).copy_(at::mm(ad.slice(0, start, end), bd[e]));
+    mag.slice(0, start, end).copy_(at::mm(ad.slice(0, start, end).abs(), bd[e].abs()));
+    start = end;
+  }
+  const double unit = got.scalar_type() == at::kBFloat16 ? std::ldexp(1.0, -8)
+                      : got.scalar_type() == at::kHalf   ? std::ldexp(1.0, -11)
+                                                         : 0.0;
+  const double acc = got.scalar_type() == at::kDouble ? std::ldexp(1.0, -52) : std::ldexp(1.0, -23);
+  // Plus half the spacing of the output's subnormals (fp16), or the smallest normal float where subnormals
+  // are flushed (avx512bf16's bf16 rounding).
+  const double tiny =
+      got.scalar_type() == at::kHalf ? std::ldexp(1.0, -25) : std::numeric_limits<float>::min();
+  const at::Tensor bound = unit * ref.abs() + double(a.size(1)) * acc * mag + tiny;
+  const at::Tensor err = (got.to(at::kDouble) - ref).abs();
+  const at::Tensor over = err > bound;
+  if (!over.any().item<bool>() && !got.to(at::kDouble).isnan().any().item<bool>())
+    return ::testing::AssertionSuccess();
+  const int64_t i = (err - bound).argmax().item<int64_t>();
+  const int64_t r = i / ref.size(1), col = i % ref.size(1);
+  return ::testing::AssertionFailure()
+         << over.sum().item<int64_t>() << " elements over the bound; worst at [" << r << ", " << col
+         << "]: got " << got.to(at::kDouble)[r][col].item<double>() << ", want " << ref[r][col].item<double>()
+         << ", bound " << bound[r][col].item<double>();
+}
+
+}  // namespace
+
+// The forward's small-group path (groups under 64 rows, b in nn.Linear layout: the "NT" kernel). Group sizes
+// straddle the kernels' 8-row groups, 32-row passes and dot-product rows; K is odd (bf16 pairs, 16-step
+// loops) and N leaves every column-block remainder; "strided": b's rows K + 5 apart, a's K + 3.
+void grouped_mm_small_groups_within_float64_bound(const Case& c) {
+  const at::Tensor offs = offsets(c.groups());
+  const int64_t E = static_cast<int64_t>(c.groups().size()), T = offs[-1].item<int64_t>();
+  const int64_t K = c["K"], N = c["N"];
+  const bool strided = c.layout == "strided";
+  // b[e] = W[e]^T with W [E, N, K] rows K-contiguous.
+  const at::Tensor W = randn({E, N, strided ? K + 5 : K}, c.dtype).narrow(2, 0, K);
+  const at::Tensor a = randn({T, strided ? K + 3 : K}, c.dtype).narrow(1, 0, K);
+  const at::Tensor y = kernmap::grouped_mm(a, W.transpose(1, 2), offs);
+  ASSERT_EQ(y.sizes(), (at::IntArrayRef{T, N}));
+  EXPECT_TRUE(within_bound(y, a, W.transpose(1, 2), offs));
+}
+
+// A non-finite input reaches only its own row (a) or column (b): rows share registers in the kernels.
+void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c) {
+  const at::Tensor offs = offsets(c.groups());
+  at::Tensor a = randn({40, 67}, c.dtype);
+  at::Tensor W = randn({3, 29, 67}, c.dtype);
+  a[3][10] = std::numeric_limits<double>::infinity();
+  W[2][5][66] = std::numeric_limits<double>::quiet_NaN();
+  const at::Tensor y = kernmap::grouped_mm(a, W.transpose(1, 2), offs).to(at::kDouble);
+  const at::Tensor bad = ~y.isfinite();
+  at::Tensor expected = at::zeros({40, 29}, at::kBool);
+  expected[3].fill_(true);                             // row 3 (group 0) times every column
+  expected.slice(0, 17, 40).select(1, 5).fill_(true);  // column 5 of group 2's rows
+  EXPECT_TRUE(at::equal(bad, expected)) << bad.nonzero();
+}
+
+// Each output element is summed in one order whatever the thread count (the column tiles per task change with
+// it): the same bits at 1, 2 and 3 threads.
+void grouped_mm_same_bits_at_any_thread_count(const Case& c) {
+  const at::Tensor offs = offsets(c.groups());
+  const at::Tensor a = randn({offs[-1].item<int64_t>(), c["K"]}, c.dtype);
+  const at::Tensor W = randn({static_cast<int64_t>(c.groups().size()), c["N"], c["K"]}, c.dtype);
+  const int previous = at::get_num_threads();
+  std::vector<at::Tensor> out;
+  for (int threads : {1, 2, 3}) {
+    at::set_num_threads(threads);
+    out.push_back(kernmap::grouped_mm(a, W.transpose(1, 2), offs));
+  }
+  at::set_num_threads(previous);
+  EXPECT_TRUE(at::equal(out[0], out[1]));
+  EXPECT_TRUE(at::equal(out[0], out[2]));
+}
+
+namespace {
+
+// Unit roundoff of the output type (one rounding of an fp32 sum) and of the fp32 accumulation.
+double out_roundoff(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16:
+      return std::ldexp(1.0, -8);
+    case at::kHalf:
+      return std::ldexp(1.0, -11);
+    case at::kFloat:
+      return std::ldexp(1.0, -24);
+    default:
+      return std::ldexp(1.0, -53);
+  }
+}
+double acc_roundoff(at::ScalarType t) {
+  return t == at::kDouble ? std::ldexp(1.0, -53) : std::ldexp(1.0, -24);
+}
+
+}  // namespace
+
+// grouped_mm's gradients, group sizes around every block and the bf16 BLAS threshold (64 rows), an empty
+// group; both weight layouts ([E, K, N], and [E, N, K] viewed transposed: the Experts layer's), a a column
+// slice and grad a slice of wider tensors: against a float64 per-group reference on the same (rounded)
+// inputs, and bit-identical at 1 and 2 threads.
+void grouped_mm_backward_within_float64_bound_and_thread_count_free(const Case& c) {
+  const at::ScalarType dt = c.dtype;
+  const std::vector<int64_t>& sizes = c.groups();
+  const at::Tensor offs = offsets(sizes);
+  const int64_t E = static_cast<int64_t>(sizes.size()), T = offs[-1].item<int64_t>(), K = c["K"], N = c["N"];
+  const bool transposed = c.layout == "b_ENK_transposed";
+  const at::Tensor a0 = randn({T, K + 9}, dt).slice(1, 4, 4 + K);
+  const at::Tensor b0 = transposed ? randn({E, N, K}, dt).transpose(1, 2) : randn({E, K, N}, dt);
+  const at::Tensor grad = randn({T, N + 3}, dt).slice(1, 0, N);
+  auto gradients = [&](int threads) {
+    const int previous = at::get_num_threads();
+    at::set_num_threads(threads);
+    at::Tensor a = a0.detach().requires_grad_(true), b = b0.detach().requires_grad_(true);
+    at::Tensor y = kernmap::grouped_mm(a, b, offs);
+    torch::autograd::backward({y}, {grad});
+    at::set_num_threads(previous);
+    return std::make_pair(a.grad(), b.grad());
+  };
+  const auto [ga2, gb2] = gradients(2);
+  const auto [ga1, gb1] = gradients(1);
+  EXPECT_TRUE(at::equal(ga1, ga2));
+  EXPECT_TRUE(at::equal(gb1, gb2));
+  const at::Tensor ad = a0.to(at::kDouble), bd = b0.to(at::kDouble), gd = grad.to(at::kDouble);
+  at::Tensor want_a = at::zeros({T, K}, at::kDouble), want_b = at::zeros({E, K, N}, at::kDouble);
+  at::Tensor scale_a = at::zeros({T, K}, at::kDouble), scale_b = at::zeros({E, K, N}, at::kDouble);
+  int64_t longest = 0;
+  for (int64_t e = 0, r = 0; e < E; r += sizes[e], ++e) {
+    const at::Tensor g = gd.slice(0, r, r + sizes[e]), x = ad.slice(0, r, r + sizes[e]);
+    want_a.slice(0, r, r + sizes[e]).copy_(at::mm(g, bd[e].t()));
+    scale_a.slice(0, r, r + sizes[e]).copy_(at::mm(g.abs(), bd[e].t().abs()));
+    want_b[e].copy_(at::mm(x.t(), g));
+    scale_b[e].copy_(at::mm(x.t().abs(), g.abs()));
+    longest = std::max(longest, sizes[e]);
+  }
+  const double u = out_roundoff(dt), acc = acc_roundoff(dt);
+  auto check = [&](const at::Tensor& got, const at::Tensor& want, const at::Tensor& scale, int64_t len) {
+    ASSERT_EQ(got.sizes(), want.sizes());
+    const at::Tensor err = (got.to(at::kDouble) - want).abs();
+    const at::Tensor bound = want.abs() * u * 1.01 + scale * (len + 1) * acc + 1e-300;
+    EXPECT_TRUE(err.le(bound).all().item<bool>()) << "max error " << err.max().item<double>();
+  };
+  check(ga1, want_a, scale_a, N);
+  check(gb1, want_b, scale_b, longest);
+  for (int64_t e = 0; e < E; ++e)
+    if (sizes[e] == 0) {
+      EXPECT_EQ(gb1[e].abs().sum().item<double>(), 0.0) << "the empty group " << e;
+    }
+}
+
+}  // namespace kernmap::testing

@@ -1,0 +1,127 @@
+// The ops' input errors, the level switch, and the harness's proofs: fresh allocations are poisoned, and a
+// kernel that leaves an output element unwritten fails the common check.
+#include <gtest/gtest-spi.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernmap/cpu.h"
+#include "kernmap/ops.h"
+#include "tests/cpp/kernels/checks.h"
+
+namespace kernmap::testing {
+
+void ops_name_the_bad_argument(const Case&) {
+  const at::Tensor x = at::randn({4, 8});
+  auto message = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "no error";
+  };
+  EXPECT_NE(message([&] { kernmap::rms_norm(x, at::ones({7}), 1e-6); }).find("weight must have shape [8]"),
+            std::string::npos);
+  EXPECT_NE(
+      message([&] { kernmap::rms_norm(x.to(at::kLong), at::ones({8}), 1e-6); }).find("x must be float32"),
+      std::string::npos);
+  EXPECT_NE(message([&] {
+              kernmap::silu_and_mul(x, at::randn({4, 9}));
+            }).find("up must have the shape of gate"),
+            std::string::npos);
+  EXPECT_NE(
+      message([&] { kernmap::silu_and_mul(x, x.to(at::kBFloat16)); }).find("up must have the dtype of gate"),
+      std::string::npos);
+  EXPECT_NE(message([&] {
+              kernmap::swiglu(at::randn({4, 7}));
+            }).find("even last dimension"),
+            std::string::npos);
+}
+
+void the_level_is_active(const Case& c) {
+  EXPECT_EQ(kernmap::cpu::active_level(), c.level);
+  EXPECT_EQ(kernmap::cpu_level(), kernmap::cpu::level_name(c.level));  // libkernmap's copy too
+  const std::vector<kernmap::cpu::Level> levels = kernmap::cpu::supported_levels();
+  ASSERT_FALSE(levels.empty());
+  EXPECT_EQ(levels.front(), kernmap::cpu::Level::kBaseline);
+  EXPECT_EQ(kernmap::cpu::parse_level(kernmap::cpu::level_name(c.level)), c.level);
+  EXPECT_FALSE(kernmap::cpu::parse_level("sse9").has_value());
+}
+
+// kernmap/cpu.h names and sets libkernmap's level; a refused level changes nothing.
+void the_public_level_functions_name_and_set_it(const Case&) {
+  const std::vector<std::string> levels = kernmap::supported_cpu_levels();
+  std::vector<std::string> expected;
+  std::string runs;
+  for (kernmap::cpu::Level l : kernmap::cpu::supported_levels()) {
+    expected.emplace_back(kernmap::cpu::level_name(l));
+    runs += (runs.empty() ? "" : ", ") + expected.back();
+  }
+  EXPECT_EQ(levels, expected);
+  const std::string previous = kernmap::cpu_level();
+  EXPECT_NE(std::find(levels.begin(), levels.end(), previous), levels.end()) << previous;
+  kernmap::set_cpu_level("baseline");
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");
+  const auto refusal = [](const std::string& level) -> std::string {
+    try {
+      kernmap::set_cpu_level(level);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(refusal("sse9"), "set_cpu_level: unknown level 'sse9' (this CPU runs: " + runs + ")");
+  if (levels.size() < 4) {  // a compiled level this CPU cannot run (none on a CPU with avx512bf16)
+    EXPECT_EQ(refusal("avx512bf16"),
+              "set_cpu_level: this CPU cannot run level 'avx512bf16' (this CPU runs: " + runs + ")");
+  }
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");  // a refused level changes nothing
+  kernmap::set_cpu_level(previous);
+  EXPECT_EQ(kernmap::cpu_level(), previous);
+}
+
+void fresh_allocations_are_nan(const Case& c) {
+  for (int round = 0; round < 2; ++round) {
+    // The second round takes the blocks the first freed (after writing them): poisoned again.
+    at::Tensor t = at::empty({1031}, c.dtype), big = at::empty({1 << 18}, c.dtype);
+    EXPECT_TRUE(t.isnan().all().item<bool>()) << "round " << round;
+    EXPECT_TRUE(big.isnan().all().item<bool>()) << "round " << round;
+    t.fill_(1);
+    big.fill_(1);
+  }
+  EXPECT_TRUE(at::empty({7}, at::kLong).eq(-1).all().item<bool>());
+}
+
+namespace {
+
+// SiLU into a fresh output, leaving its last element unwritten: the bug the poisoning exists to catch.
+at::Tensor silu_missing_the_last_element(const std::vector<at::Tensor>& in) {
+  const at::Tensor y = kernmap::silu(in[0].detach());
+  at::Tensor out = at::empty_like(y);
+  const int64_t n = y.numel();
+  out.view(-1).narrow(0, 0, n - 1).copy_(y.reshape(-1).narrow(0, 0, n - 1));
+  return out;
+}
+
+// Case of the proof (gtest's EXPECT_NONFATAL_FAILURE takes no local variables).
+const Case* proof_case = nullptr;
+
+void check_the_broken_kernel() {
+  expect_matches_reference(*proof_case,
+                           {.inputs = {randn({6, 37}, proof_case->dtype)},
+                            .kernel = silu_missing_the_last_element,
+                            .reference = [](const auto& in) { return kernmap::reference::silu(in[0]); }});
+}
+
+}  // namespace
+
+void an_unwritten_output_element_fails(const Case& c) {
+  proof_case = &c;
+  EXPECT_NONFATAL_FAILURE(check_the_broken_kernel(), "1 of 222 elements not close");
+  proof_case = nullptr;
+}
+
+}  // namespace kernmap::testing

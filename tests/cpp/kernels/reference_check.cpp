@@ -1,0 +1,93 @@
+// The common check (an op against its reference, forward and backward) and the input builders of the table.
+#include <torch/csrc/autograd/autograd.h>
+
+#include <stdexcept>
+
+#include "tests/cpp/kernels/harness.h"
+
+namespace kernmap::testing {
+
+std::vector<Shape> grid(const std::vector<std::pair<std::string, std::vector<int64_t>>>& axes) {
+  std::vector<Shape> out = {Shape{}};
+  for (const auto& [name, values] : axes) {
+    std::vector<Shape> next;
+    for (const Shape& s : out)
+      for (int64_t v : values) {
+        Shape grown = s;
+        grown.sizes.emplace_back(name, v);
+        next.push_back(std::move(grown));
+      }
+    out = std::move(next);
+  }
+  return out;
+}
+
+int64_t Case::operator[](const std::string& name) const {
+  for (const auto& [n, v] : shape->sizes)
+    if (n == name) return v;
+  throw std::out_of_range("the case's shape has no size '" + name + "'");
+}
+
+at::Tensor randn(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::randn(sizes, at::kDouble).to(dtype);
+}
+
+at::Tensor offsets(const std::vector<int64_t>& group_sizes) {
+  std::vector<int> ends;
+  int total = 0;
+  for (int64_t n : group_sizes) ends.push_back(total += static_cast<int>(n));
+  return at::tensor(ends, at::kInt);
+}
+
+at::Tensor laid_out(const std::string& layout, int64_t rows, int64_t n, at::ScalarType dtype) {
+  const at::Tensor values = randn({rows, n}, dtype);
+  if (layout == "contiguous") return values;
+  if (layout == "sliced1" || layout == "sliced2") {
+    const int64_t offset = layout == "sliced1" ? 1 : 2;
+    at::Tensor wide = randn({rows, n + 2 * offset + 1}, dtype);
+    return wide.narrow(1, offset, n).copy_(values);
+  }
+  if (layout == "transposed") return values.t().contiguous().t();
+  if (layout == "3d") {
+    if (rows % 2 != 0) throw std::invalid_argument("layout 3d needs an even row count");
+    return values.view({2, rows / 2, n});
+  }
+  throw std::invalid_argument("unknown layout '" + layout + "'");
+}
+
+std::vector<at::Tensor> expect_matches_reference(const Case& c, const Compared& op) {
+  const auto terms = [&](size_t i) { return i < op.terms.size() ? op.terms[i] : int64_t{1}; };
+  // Leaves over the same memory as the inputs (detach keeps each layout's strides; a clone would not).
+  const auto leaves = [&] {
+    std::vector<at::Tensor> out;
+    for (const at::Tensor& t : op.inputs)
+      out.push_back(t.is_floating_point() ? t.detach().requires_grad_(true) : t);
+    return out;
+  };
+  const std::vector<at::Tensor> mine = leaves(), theirs = leaves();
+  const at::Tensor y = op.kernel(mine), want = op.reference(theirs);
+  const ::testing::AssertionResult forward = close(y, want, tolerance(c.dtype, terms(0)));
+  EXPECT_TRUE(forward) << "the output";
+  std::vector<at::Tensor> results = {y.detach()};
+  if (!forward || !y.requires_grad()) return results;
+  const at::Tensor dy = randn(y.sizes(), y.scalar_type());
+  torch::autograd::backward({y}, {dy});
+  torch::autograd::backward({want}, {dy});
+  size_t result = 1;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    if (!mine[i].is_floating_point()) continue;
+    const at::Tensor& got = mine[i].grad();
+    const at::Tensor& expected = theirs[i].grad();
+    if (got.defined() != expected.defined()) {
+      ADD_FAILURE() << "the gradient of input " << i << " is " << (got.defined() ? "" : "not ")
+                    << "defined, the reference's is " << (expected.defined() ? "" : "not");
+    } else if (got.defined()) {
+      EXPECT_TRUE(close(got, expected, tolerance(c.dtype, terms(result)))) << "the gradient of input " << i;
+    }
+    results.push_back(got);
+    ++result;
+  }
+  return results;
+}
+
+}  // namespace kernmap::testing

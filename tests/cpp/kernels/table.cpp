@@ -1,0 +1,312 @@
+// The table of kernel test cases. A row is an op (or one property of an op), the shapes and layouts it runs
+// on and its check; main.cpp runs every shape x layout x dtype of every row at every CPU level. Adding a
+// kernel is adding its row: an expect_matches_reference call that builds the op's inputs for a case and names
+// the kernel, its reference and how many terms each result sums (docs/development.md, "Tests").
+#include <algorithm>
+
+#include "kernmap/ops.h"
+#include "tests/cpp/kernels/checks.h"
+
+namespace kernmap::testing {
+namespace {
+
+const std::vector<int64_t> kOddSizes = {1, 7, 769, 5125};
+
+at::Tensor norm_weight(int64_t H, at::ScalarType dtype) {
+  return (1 + 0.1 * at::randn({H}, at::kDouble)).to(dtype);
+}
+
+// rms_norm with the weight in `weight_dtype` (Undefined: x's dtype).
+void rms_norm_matches_reference(const Case& c, at::ScalarType weight_dtype) {
+  const int64_t H = c["H"];
+  expect_matches_reference(
+      c, {.inputs = {laid_out(c.layout, c["rows"], H, c.dtype),
+                     norm_weight(H, weight_dtype == at::ScalarType::Undefined ? c.dtype : weight_dtype)},
+          .kernel = [](const auto& in) { return kernmap::rms_norm(in[0], in[1], 1e-6); },
+          .reference = [](const auto& in) { return kernmap::reference::rms_norm(in[0], in[1], 1e-6); },
+          .terms = {1, 1, c["rows"]}});  // dW sums over the rows
+}
+
+// grouped_mm on 4 experts; b [E, K, N], or a transposed view of [E, N, K] (the Experts layer's weights).
+std::vector<at::Tensor> grouped_mm_matches_reference(const Case& c) {
+  const int64_t K = c["K"], N = c["N"], E = static_cast<int64_t>(c.groups().size());
+  const at::Tensor offs = offsets(c.groups());
+  const at::Tensor b =
+      c.layout == "b_ENK_transposed" ? randn({E, N, K}, c.dtype).transpose(1, 2) : randn({E, K, N}, c.dtype);
+  int64_t rows = 1;
+  for (int64_t g : c.groups()) rows = std::max(rows, g);
+  return expect_matches_reference(
+      c, {.inputs = {randn({offs[-1].item<int64_t>(), K}, c.dtype), b, offs},
+          .kernel = [](const auto& in) { return kernmap::grouped_mm(in[0], in[1], in[2]); },
+          .reference = [](const auto& in) { return kernmap::reference::grouped_mm(in[0], in[1], in[2]); },
+          .terms = {K, N, rows}});  // y over K, da over N, db over a group's rows
+}
+
+// Experts routing [T, k]: k distinct experts per token, at random, or ("one_expert_for_all") expert 3 in
+// every token's first slot and k - 1 distinct others in the rest; weights a softmax over the slots.
+std::pair<at::Tensor, at::Tensor> routing(const Case& c) {
+  const int64_t T = c["T"], E = c["E"], k = c["k"];
+  at::Tensor ids;
+  if (c.layout == "one_expert_for_all") {
+    const at::Tensor others =
+        at::argsort(at::rand({T, E - 1}), /*dim=*/1, /*descending=*/false).narrow(1, 0, k - 1);
+    ids = at::cat({at::full({T, 1}, 3, at::kLong), others + others.ge(3).to(at::kLong)}, 1).contiguous();
+  } else {
+    ids = at::argsort(at::rand({T, E}), /*dim=*/1, /*descending=*/false).narrow(1, 0, k).contiguous();
+  }
+  return {ids, at::rand({T, k}, at::kDouble).softmax(-1).to(c.dtype)};
+}
+
+// The experts op against its reference ("strided_weights": gate_up_proj a transposed view, down_proj a
+// slice); an expert no token is routed to gets zero weight gradients.
+void experts_match_reference(const Case& c) {
+  const int64_t T = c["T"], E = c["E"], k = c["k"], H = c["H"], I = c["I"];
+  const auto [ids, weights] = routing(c);
+  const bool strided = c.layout == "strided_weights";
+  const at::Tensor gate_up =
+      strided ? randn({E, H, 2 * I}, c.dtype).transpose(1, 2) : randn({E, 2 * I, H}, c.dtype);
+  const at::Tensor down = strided ? randn({E, H, 2 * I}, c.dtype).narrow(2, 0, I) : randn({E, H, I}, c.dtype);
+  // The longest sum: gate/up over H, down over I, the weight gradients over the up to T * k rows of an
+  // expert.
+  const int64_t terms = std::max({H, 2 * I, T * k});
+  const std::vector<at::Tensor> out = expect_matches_reference(
+      c, {.inputs = {randn({T, H}, c.dtype), ids, weights, gate_up, down},
+          .kernel = [](const auto& in) { return kernmap::experts(in[0], in[1], in[2], in[3], in[4]); },
+          .reference =
+              [](const auto& in) { return kernmap::reference::experts(in[0], in[1], in[2], in[3], in[4]); },
+          .terms = {terms, terms, terms, terms, terms}});
+  if (out.size() != 5) return;  // y, then the gradients of hidden, topk_weights, gate_up_proj, down_proj
+  for (int64_t e = 0; e < E; ++e) {
+    if (ids.eq(e).any().item<bool>()) continue;
+    EXPECT_EQ(out[3][e].abs().sum().item<double>(), 0.0) << "gate_up_proj of the unused expert " << e;
+    EXPECT_EQ(out[4][e].abs().sum().item<double>(), 0.0) << "down_proj of the unused expert " << e;
+  }
+}
+
+// The gemm_bcast cases: rows around the 4-row register block, columns around the 16-lane vector and 64-column
+// block, reduction lengths around the bf16 pairs, and reductions long enough to be split into blocks (2048
+// columns: blocks of 32 fp32 / 64 bf16 steps; 130 columns: blocks of 256 steps); then bf16 long reductions
+// (more than 64 steps, A's pairs in its rows): interleaved 32-column panels and row blocks of up to 12 rows,
+// rows around the blocks, columns around the 32-column tile, an odd step alone at the end of a reduction
+// split into blocks of 256 steps (257) or not split (65); columns in two chunks of 576 and 524 with 128-step
+// blocks (1100 x 301).
+std::vector<Shape> gemm_bcast_shapes() {
+  std::vector<Shape> out;
+  auto add = [&](int64_t M, int64_t N, int64_t P, std::string layout) {
+    out.push_back({.sizes = {{"M", M}, {"N", N}, {"P", P}}, .layouts = {std::move(layout)}});
+  };
+  for (int64_t M : {1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 200}) add(M, 130, 17, "A");
+  for (int64_t N : {1, 15, 16, 17, 63, 64, 65, 130, 200}) add(17, N, 63, "A");
+  for (int64_t P : {0, 1, 2, 15, 16, 17, 63, 64, 200}) add(5, 200, P, "A");
+  for (int64_t P : {0, 1, 2, 15, 16, 17, 63, 64, 200}) add(17, 130, P, "At");
+  for (int64_t M : {31, 32, 33, 63}) add(M, 130, 17, "At_B4k");
+  add(40, 200, 64, "A_B4k");
+  for (int64_t M : {1, 11, 12, 13, 24, 25, 37})
+    for (int64_t N : {1, 17, 32, 33, 130})
+      for (int64_t P : {65, 257}) add(M, N, P, "A");
+  add(13, 1100, 301, "A");
+  add(6, 2048, 301, "A");
+  add(9, 130, 777, "A");
+  add(9, 130, 777, "At");
+  return out;
+}
+
+// Short reductions over many row blocks: rows around 8 row blocks, reduction lengths around the pairs and up
+// to the one-pass limit (256 steps at 128 columns) and past it (blocked); B's rows 4 KiB apart at 32 rows.
+std::vector<Shape> short_reduction_shapes() {
+  std::vector<Shape> out;
+  for (int64_t M : {29, 32, 35, 64})
+    for (int64_t P : {1, 2, 3, 16, 17, 64, 255, 256, 257})
+      for (int64_t N : {64, 131}) {
+        Shape s{.sizes = {{"M", M}, {"N", N}, {"P", P}}};
+        s.layouts =
+            M == 32 ? std::vector<std::string>{"A_B4k", "At_B4k"} : std::vector<std::string>{"A", "At"};
+        out.push_back(std::move(s));
+      }
+  return out;
+}
+
+// float64 takes one pass through gemm_bcast: long reductions add nothing there, only time.
+bool fp64_past(const Case& c, int64_t P) {
+  return c.dtype == at::kDouble && c["P"] > P;
+}
+
+// Group sizes around the small-group kernel's 8-row groups, 32-row passes and dot-product rows.
+const std::vector<int64_t> kSmallGroups = {0,  1,  2,  3,  4,  5,  7,  8,  9,  10, 11, 12, 13, 15, 16, 17, 18,
+                                           19, 20, 23, 24, 25, 31, 32, 33, 34, 35, 40, 41, 47, 48, 57, 63, 0};
+
+std::vector<Shape> with_groups(std::vector<Shape> shapes, const std::vector<int64_t>& groups) {
+  for (Shape& s : shapes) s.groups = groups;
+  return shapes;
+}
+
+}  // namespace
+
+const std::vector<Row>& kernel_table() {
+  static const std::vector<Row> rows = {
+      // ---- RMSNorm, the SiLU family: the op against its reference, forward and backward ----
+      {.op = "rms_norm",
+       .shapes = grid({{"rows", {6}}, {"H", kOddSizes}}),
+       .layouts = kRowLayouts,
+       .check = [](const Case& c) { rms_norm_matches_reference(c, at::ScalarType::Undefined); }},
+      // An fp32 weight with 16-bit x: the output is fp32 (the transformers quirk), rounded to x's dtype
+      // first.
+      {.op = "rms_norm_fp32_weight",
+       .shapes = grid({{"rows", {6}}, {"H", kOddSizes}}),
+       .layouts = kRowLayouts,
+       .check = [](const Case& c) { rms_norm_matches_reference(c, at::kFloat); },
+       .dtypes = {at::kBFloat16, at::kHalf}},
+      {.op = "silu_and_mul",
+       .shapes = grid({{"rows", {4, 6}}, {"I", kOddSizes}}),
+       .layouts = kRowLayouts,
+       .check =
+           [](const Case& c) {
+             const at::Tensor gate = laid_out(c.layout, c["rows"], c["I"], c.dtype);
+             expect_matches_reference(
+                 c, {.inputs = {gate, randn(gate.sizes(), c.dtype)},
+                     .kernel = [](const auto& in) { return kernmap::silu_and_mul(in[0], in[1]); },
+                     .reference =
+                         [](const auto& in) { return kernmap::reference::silu_and_mul(in[0], in[1]); }});
+           }},
+      {.op = "swiglu",
+       .shapes = grid({{"I", kOddSizes}}),
+       .layouts = {"2x3x2I"},
+       .check =
+           [](const Case& c) {
+             expect_matches_reference(
+                 c, {.inputs = {randn({2, 3, 2 * c["I"]}, c.dtype)},
+                     .kernel = [](const auto& in) { return kernmap::swiglu(in[0]); },
+                     .reference = [](const auto& in) { return kernmap::reference::swiglu(in[0]); }});
+           }},
+      {.op = "silu",
+       .shapes = grid({{"I", kOddSizes}}),
+       .layouts = {"2x3x2I"},
+       .check =
+           [](const Case& c) {
+             expect_matches_reference(
+                 c, {.inputs = {randn({2, 3, 2 * c["I"]}, c.dtype)},
+                     .kernel = [](const auto& in) { return kernmap::silu(in[0]); },
+                     .reference = [](const auto& in) { return kernmap::reference::silu(in[0]); }});
+           }},
+      // ---- the SiLU family and RMSNorm: properties ----
+      {.op = "streaming_stores",
+       .shapes = grid({{"n", {64, 80, 37}}}),
+       .layouts = {"aligned", "offset1"},
+       .check = streaming_stores_write_the_same_bits},
+      {.op = "silu_eager_roundings",
+       .shapes = grid({{"rows", {16}}, {"n", {1031}}}),
+       .layouts = {""},
+       .check = low_precision_silu_matches_eager_bits,
+       .dtypes = {at::kBFloat16, at::kHalf}},  // only the 16-bit dtypes round
+      {.op = "silu_extreme_inputs",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = silu_handles_extreme_inputs},
+      {.op = "empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = empty_inputs},
+      // ---- grouped_mm: against its reference (uneven groups, empty ones, edge blocks in every dimension;
+      // the
+      // second shape spans several 64-column blocks and 128-column tiles and odd group sizes) ----
+      {.op = "grouped_mm",
+       .shapes = {{.sizes = {{"K", 77}, {"N", 70}}, .groups = {5, 0, 18, 17}},
+                  {.sizes = {{"K", 131}, {"N", 200}}, .groups = {0, 33, 0, 37}}},
+       .layouts = {"b_EKN", "b_ENK_transposed"},
+       .check =
+           [](const Case& c) {
+             const std::vector<at::Tensor> out = grouped_mm_matches_reference(c);
+             for (size_t e = 0; e < c.groups().size() && out.size() == 3; ++e) {
+               if (c.groups()[e] == 0) {
+                 EXPECT_EQ(out[2][e].abs().sum().item<double>(), 0.0) << "empty group " << e;
+               }
+             }
+           }},
+      {.op = "grouped_mm_small_groups",
+       .shapes = with_groups(grid({{"K", {1, 77, 259}}, {"N", {1, 53, 70}}}), kSmallGroups),
+       .layouts = {"contiguous", "strided"},
+       .check = grouped_mm_small_groups_within_float64_bound,
+       .skip = [](const Case& c) { return c["K"] == 1 && c["N"] == 70; }},  // nothing K = 1, N = 53 misses
+      {.op = "grouped_mm_non_finite",
+       .shapes = {{.groups = {17, 0, 23}}},
+       .layouts = {""},
+       .check = grouped_mm_non_finite_stays_in_its_row_and_column},
+      {.op = "grouped_mm_thread_count",
+       .shapes = {{.sizes = {{"K", 301}, {"N", 250}}, .groups = {9, 0, 17, 33, 1, 40, 22}}},
+       .layouts = {""},
+       .check = grouped_mm_same_bits_at_any_thread_count},
+      // Group sizes around every block and the bf16 BLAS threshold (64 rows), an empty group.
+      {.op = "grouped_mm_backward",
+       .shapes = {{.sizes = {{"K", 70}, {"N", 131}}, .groups = {0, 1, 2, 15, 16, 17, 63, 64, 200}}},
+       .layouts = {"b_EKN", "b_ENK_transposed"},
+       .check = grouped_mm_backward_within_float64_bound_and_thread_count_free},
+      {.op = "gemm_bcast",
+       .shapes = gemm_bcast_shapes(),
+       .layouts = {},
+       .check = gemm_bcast_within_float64_bound,
+       .skip = [](const Case& c) { return fp64_past(c, 300); }},
+      {.op = "gemm_bcast_row_split",
+       .shapes = {{.sizes = {{"M", 23}, {"N", 200}, {"P", 77}}, .layouts = {"A"}},
+                  {.sizes = {{"M", 23}, {"N", 2048}, {"P", 150}}, .layouts = {"At"}},
+                  {.sizes = {{"M", 13}, {"N", 130}, {"P", 777}}, .layouts = {"A"}},
+                  {.sizes = {{"M", 41}, {"N", 130}, {"P", 16}}, .layouts = {"At_B4k"}}},
+       .layouts = {},
+       .check = gemm_bcast_independent_of_row_split_and_streaming,
+       .skip = [](const Case& c) { return fp64_past(c, 300); }},
+      {.op = "gemm_bcast_short_reductions",
+       .shapes = short_reduction_shapes(),
+       .layouts = {},
+       .check = gemm_bcast_short_reductions_match_small_calls,
+       .skip = [](const Case& c) { return fp64_past(c, 64); }},
+      // ---- the MoE combine and Experts ----
+      // One expert, uneven routing, 64 experts with most unused, a token count that is not a multiple of k.
+      {.op = "experts",
+       .shapes = {{.sizes = {{"E", 1}, {"k", 1}, {"T", 6}, {"H", 16}, {"I", 8}}},
+                  {.sizes = {{"E", 5}, {"k", 2}, {"T", 8}, {"H", 9}, {"I", 6}}},
+                  {.sizes = {{"E", 6}, {"k", 2}, {"T", 11}, {"H", 10}, {"I", 7}}},
+                  {.sizes = {{"E", 7}, {"k", 2}, {"T", 9}, {"H", 13}, {"I", 11}}},
+                  {.sizes = {{"E", 64}, {"k", 8}, {"T", 20}, {"H", 24}, {"I", 10}}}},
+       .layouts = {"random_routing", "one_expert_for_all", "strided_weights"},
+       .check = experts_match_reference,
+       .skip = [](const Case& c) { return c.layout == "one_expert_for_all" && c["E"] < 4; }},  // no expert 3
+      {.op = "moe_combine",
+       .shapes = grid({{"H", {1, 15, 16, 17, 33, 2048 + 3}}, {"k", {1, 2, 8}}}),
+       .layouts = {"unweighted_out_input", "weighted_out_input", "weighted_rounded_out_input",
+                   "unweighted_out_acc", "weighted_out_acc", "weighted_rounded_out_acc"},
+       .check = moe_combine_has_the_bits_of_the_scalar_math,
+       // the accumulation type of float32 and float64 is their own: out_acc is out_input
+       .skip = [](const Case& c) { return c.layout.ends_with("out_acc") && acc_of(c.dtype) == c.dtype; }},
+      {.op = "moe_combine_backward",
+       .shapes = grid({{"H", {1, 15, 16, 17, 33, 2048 + 3}}, {"k", {1, 2, 8}}}),
+       .layouts = {""},
+       .check = moe_combine_backward_matches_scalar_math_and_float64},
+      {.op = "experts_thread_count",
+       .shapes = {{.sizes = {{"T", 37}, {"H", 67}, {"E", 5}, {"I", 24}, {"k", 3}}}},
+       .layouts = {""},
+       .check = experts_same_bits_at_any_thread_count},
+      // ---- the ops' errors, the levels, the harness ----
+      {.op = "op_errors",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = ops_name_the_bad_argument,
+       .dtypes = kNoDtype},
+      {.op = "levels",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = the_level_is_active,
+       .dtypes = kNoDtype},
+      {.op = "cpu_level_api",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = the_public_level_functions_name_and_set_it,
+       .dtypes = kNoDtype},
+      {.op = "poison",
+       .shapes = {Shape{}},
+       .layouts = {"fresh_allocations"},
+       .check = fresh_allocations_are_nan},
+      {.op = "poison",
+       .shapes = {Shape{}},
+       .layouts = {"unwritten_element_fails"},
+       .check = an_unwritten_output_element_fails},
+  };
+  return rows;
+}
+
+}  // namespace kernmap::testing
