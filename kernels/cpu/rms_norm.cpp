@@ -2,14 +2,15 @@
 // compiled once per instruction-set level (KERNMAP_CPU_LEVEL names the level).
 // Each pass reads a row from memory once; the second read of a row hits the cache (a row of H = 8192 fp32 is
 // 32 KiB).
+#include <vector>
+
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-// The row a pass normalizes: x itself, or with Add (the fused residual add) round_X(x + res), recomputed in
-// the second pass from the rows still in the cache so that the sum can be streamed out like y.
+// The row a pass reads: x itself, or with Add (the fused residual add) round_X(x + res).
 template <bool Add, class X>
 struct Source {
   const X* x;
@@ -30,15 +31,38 @@ struct Source {
   }
 };
 
+// The calling thread's row buffer in the accumulation type (a row of H = 8192 fp32 is 32 KiB: it stays in
+// the level-1 or level-2 cache).
+template <class A>
+A* row_scratch(int64_t n) {
+  thread_local std::vector<A> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X).
+template <bool Stream, class X, class S, class Y>
+void normalize_row(const S& src, const Acc<X>* w, Y* y, Acc<X> rs, int64_t H) {
+  const int64_t Hb = H - H % kBlock;
+  for (int64_t i = 0; i < Hb; i += kBlock) {
+    Vec<Acc<X>> n = round_block<X>(src.block(i) * rs);
+    store_out<Stream>(y + i, load<Acc<X>>(w + i) * n);
+  }
+  for (int64_t i = Hb; i < H; ++i) y[i] = from_acc<Y>(w[i] * round_to<X>(src.at(i) * rs));
+}
+
 // Scalar math (h = float(x), or with Add h = float(round_X(x + res)), written to sum):
 //   r = 1 / sqrt(sum(h^2) / H + eps); n = round_X(h * r); y = round_Y(w * n)
-// With Add, the bits of y and rstd are those of the plain pass over sum.
+// With Add, the bits of y and rstd are those of the plain pass over sum. Its second pass reads the sum row
+// from the thread's row buffer, where the first pass left it in the accumulation type: no second read of x
+// and res, no conversion, and the sum can be streamed out like y.
 template <bool Add, bool Stream, class X, class Y>
 void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>* w, Y* y, X* sum,
               Acc<X>* rstd, int64_t r0, int64_t r1, int64_t H, double eps) {
   using A = Acc<X>;
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
+  A* hrow = Add ? row_scratch<A>(H) : nullptr;
   for (int64_t r = r0; r < r1; ++r) {
     const Source<Add, X> src{x + r * xs, Add ? res + r * res_s : nullptr};
     Y* yr = y + r * H;
@@ -46,35 +70,43 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
     V acc{};
     for (int64_t i = 0; i < Hb; i += kBlock) {
       V h = src.block(i);
-      if constexpr (Add) store_out<Stream>(sr + i, h);
+      if constexpr (Add) {
+        store_out<Stream>(sr + i, h);
+        store(hrow + i, h);
+      }
       acc += h * h;
     }
     A ss = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
       A v = src.at(i);
-      if constexpr (Add) sr[i] = from_acc<X>(v);
+      if constexpr (Add) {
+        sr[i] = from_acc<X>(v);
+        hrow[i] = v;
+      }
       ss += v * v;
     }
     const A rs = A(1) / std::sqrt(ss / static_cast<A>(H) + static_cast<A>(eps));
     rstd[r] = rs;
-    for (int64_t i = 0; i < Hb; i += kBlock) {
-      V n = round_block<X>(src.block(i) * rs);
-      store_out<Stream>(yr + i, load<A>(w + i) * n);
+    if constexpr (Add) {
+      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, w, yr, rs, H);
+    } else {
+      normalize_row<Stream, X>(src, w, yr, rs, H);
     }
-    for (int64_t i = Hb; i < H; ++i) yr[i] = from_acc<Y>(w[i] * round_to<X>(src.at(i) * rs));
   }
 }
 
 // Scalar math (g is the gradient reaching round_X(h * r), rounded to X as the eager autograd does):
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
 // With Add (the fused residual add's backward), the residual stream's gradient joins as eager's autograd
-// accumulates it: dx = round_X(dx + d_sum).
+// accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's) and parks
+// g in the thread's row buffer for the second.
 template <bool Add, bool Stream, class X, class Y>
 void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
               const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
   using A = Acc<X>;
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
+  A* grow = row_scratch<A>(H);
   for (int64_t r = r0; r < r1; ++r) {
     const Y* dyr = dy + r * dys;
     const X* dsr = Add ? d_sum + r * d_sum_s : nullptr;
@@ -83,30 +115,36 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     const A rs = rstd[r];
     V acc{};
     for (int64_t i = 0; i < Hb; i += kBlock) {
-      V g = round_block<X>(load<A>(dyr + i) * load<A>(w + i));
-      acc += g * load<A>(xr + i);
-    }
-    A dot = lane_sum(acc);
-    for (int64_t i = Hb; i < H; ++i) dot += round_to<X>(to_acc<A>(dyr[i]) * w[i]) * to_acc<A>(xr[i]);
-    const A c = rs * rs * rs * dot / static_cast<A>(H);
-    for (int64_t i = 0; i < Hb; i += kBlock) {
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
       V g = round_block<X>(d * load<A>(w + i));
+      acc += g * h;
+      store(dw + i, load<A>(dw + i) + d * round_block<X>(h * rs));
+      store(grow + i, g);
+    }
+    A dot = lane_sum(acc);
+    for (int64_t i = Hb; i < H; ++i) {
+      A h = to_acc<A>(xr[i]);
+      A d = to_acc<A>(dyr[i]);
+      A g = round_to<X>(d * w[i]);
+      dot += g * h;
+      dw[i] += d * round_to<X>(h * rs);
+      grow[i] = g;
+    }
+    const A c = rs * rs * rs * dot / static_cast<A>(H);
+    for (int64_t i = 0; i < Hb; i += kBlock) {
+      V h = load<A>(xr + i);
+      V g = load<A>(grow + i);
       if constexpr (Add) {
         store_out<Stream>(dxr + i, round_block<X>(rs * g - c * h) + load<A>(dsr + i));
       } else {
         store_out<Stream>(dxr + i, rs * g - c * h);
       }
-      store(dw + i, load<A>(dw + i) + d * round_block<X>(h * rs));
     }
     for (int64_t i = Hb; i < H; ++i) {
-      A h = to_acc<A>(xr[i]);
-      A d = to_acc<A>(dyr[i]);
-      A v = rs * round_to<X>(d * w[i]) - c * h;
+      A v = rs * grow[i] - c * to_acc<A>(xr[i]);
       if constexpr (Add) v = round_to<X>(v) + to_acc<A>(dsr[i]);
       dxr[i] = from_acc<X>(v);
-      dw[i] += d * round_to<X>(h * rs);
     }
   }
 }
