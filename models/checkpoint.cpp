@@ -16,6 +16,7 @@
 
 #include "kernmap/models.h"
 #include "kernmap/safetensors.h"
+#include "models/json_document.h"
 #include "models/safetensors_format.h"
 
 namespace kernmap {
@@ -66,9 +67,14 @@ std::optional<at::ScalarType> scalar_type(st::Dtype d) {
   return std::nullopt;
 }
 
-st::Dtype file_dtype(at::ScalarType t, const std::string& path, const std::string& name) {
+std::optional<st::Dtype> format_dtype(at::ScalarType t) {
   for (int d = 0; d <= static_cast<int>(st::Dtype::kU64); ++d)
     if (scalar_type(static_cast<st::Dtype>(d)) == t) return static_cast<st::Dtype>(d);
+  return std::nullopt;
+}
+
+st::Dtype file_dtype(at::ScalarType t, const std::string& path, const std::string& name) {
+  if (const std::optional<st::Dtype> d = format_dtype(t)) return *d;
   throw CheckpointError(path + ": tensor '" + name + "' has dtype " + c10::toString(t) +
                         ", which safetensors cannot store");
 }
@@ -134,8 +140,8 @@ std::string read_text(const std::string& path) {
 std::map<std::string, std::string> read_index(const std::string& path) {
   nlohmann::json index;
   try {
-    index = nlohmann::json::parse(read_text(path));
-  } catch (const nlohmann::json::exception& e) {
+    index = json_document::parse(read_text(path));
+  } catch (const json_document::Error& e) {
     throw CheckpointError(path + ": not valid JSON: " + e.what());
   }
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
@@ -212,6 +218,11 @@ std::vector<std::pair<std::string, Tensor>> read_safetensors(const std::string& 
   std::vector<std::pair<std::string, Tensor>> out;
   for (const st::TensorInfo& t : file.header().tensors) out.emplace_back(t.name, file.read(t));
   return out;
+}
+
+std::string safetensors_dtype_name(at::ScalarType dtype) {
+  if (const std::optional<st::Dtype> d = format_dtype(dtype)) return std::string(st::dtype_name(*d));
+  throw CheckpointError(std::string("dtype ") + c10::toString(dtype) + " has no safetensors name");
 }
 
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,

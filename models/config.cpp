@@ -1,5 +1,8 @@
 // ModelConfig from and to a transformers config.json, and the built-in tiny presets.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -7,6 +10,7 @@
 #include <string>
 
 #include "kernmap/models.h"
+#include "models/json_document.h"
 
 namespace kernmap {
 namespace {
@@ -54,6 +58,19 @@ bool get_bool(const json& j, const char* key, bool fallback) {
   return j[key].get<bool>();
 }
 
+// Bytes in binary units ("1.0 PiB").
+std::string human_bytes(double bytes) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 8) {
+    bytes /= 1024;
+    ++u;
+  }
+  char out[64];
+  std::snprintf(out, sizeof out, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return out;
+}
+
 std::string architecture(const std::string& model_type) {
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
@@ -70,8 +87,8 @@ bool ModelConfig::is_moe_layer(int64_t i) const {
 ModelConfig ModelConfig::from_json(const std::string& text) {
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
+    j = json_document::parse(text);
+  } catch (const json_document::Error& e) {
     fail(std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object()) fail("must be a JSON object");
@@ -180,6 +197,45 @@ ModelConfig ModelConfig::from_dir(const std::string& dir) {
   } catch (const ConfigError& e) {
     throw ConfigError(dir + "/" + e.what());
   }
+}
+
+double ModelConfig::parameter_count() const {
+  // As models/qwen.cpp builds them. Doubles: a product of capped sizes can still pass 2^64.
+  const double H = hidden_size, V = vocab_size, D = head_dim;
+  const double q = num_attention_heads * D, kv = num_key_value_heads * D;
+  double layer = H * q + 2 * H * kv + q * H + 2 * H;  // q, k, v, o projections; the two norms
+  if (qkv_bias) layer += q + 2 * kv;
+  if (o_bias) layer += H;
+  if (qk_norm) layer += 2 * D;
+  double total = V * H * (tie_word_embeddings ? 1 : 2) + H;  // embeddings, lm_head, final norm
+  for (int64_t i = 0; i < num_hidden_layers; ++i) {
+    total += layer;
+    if (is_moe_layer(i)) {
+      total += static_cast<double>(num_experts) * H + 3.0 * num_experts * H * moe_intermediate_size;
+      if (shared_expert_intermediate_size > 0) total += 3 * H * shared_expert_intermediate_size + H;
+    } else {
+      total += 3 * H * intermediate_size;
+    }
+  }
+  return total;
+}
+
+void ModelConfig::check_fits_in_memory(size_t bytes_per_parameter) const {
+  // Physical memory, not a fixed cap: the parameters alone must fit for the model to be built at all
+  // (training needs about four times as much, with gradients and AdamW's two states), and a cap relative to
+  // the machine neither refuses a real model on a large machine nor lets a config ask a small one for a
+  // petabyte.
+  const double cap =
+      static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  const double count = parameter_count(), bytes = count * static_cast<double>(bytes_per_parameter);
+  if (bytes <= cap) return;
+  char params[32];
+  std::snprintf(params, sizeof params, "%.3g", count);
+  fail(std::string("the model would have ") + params + " parameters, " + human_bytes(bytes) + " at " +
+       std::to_string(bytes_per_parameter) + " bytes each" + ", more than this machine's " +
+       human_bytes(cap) + " of physical memory (vocab_size " + std::to_string(vocab_size) + ", hidden_size " +
+       std::to_string(hidden_size) + ", num_hidden_layers " + std::to_string(num_hidden_layers) +
+       (num_experts > 0 ? ", num_experts " + std::to_string(num_experts) : std::string()) + ")");
 }
 
 std::string ModelConfig::to_json() const {

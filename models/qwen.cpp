@@ -218,6 +218,7 @@ class DecoderModel : public torch::nn::Module {
 };
 
 CausalLM::CausalLM(ModelConfig config, const at::TensorOptions& options) : config_(std::move(config)) {
+  if (!options.device().is_meta()) config_.check_fits_in_memory(options.dtype().itemsize());
   model_ = register_module("model", std::make_shared<DecoderModel>(config_, options));
   if (!config_.tie_word_embeddings)
     lm_head_ = register_module(
@@ -288,7 +289,13 @@ std::shared_ptr<CausalLM> make_model(const ModelConfig& config, const at::Tensor
 }
 
 std::shared_ptr<CausalLM> from_pretrained(const std::string& dir, const at::TensorOptions& options) {
-  std::shared_ptr<CausalLM> model = make_model(ModelConfig::from_dir(dir), options);
+  const ModelConfig config = ModelConfig::from_dir(dir);
+  std::shared_ptr<CausalLM> model;
+  try {
+    model = make_model(config, options);
+  } catch (const ConfigError& e) {
+    throw ConfigError(dir + "/" + e.what());  // "config.json: ..." names the folder's file
+  }
   model->load_weights(dir);
   return model;
 }

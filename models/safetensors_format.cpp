@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "models/json_document.h"
+
 namespace kernmap::safetensors {
 namespace {
 
@@ -104,8 +106,8 @@ json parse_json(std::string_view text) {
     return true;
   };
   try {
-    return json::parse(text.begin(), text.end(), guard);
-  } catch (const json::exception& e) {
+    return json_document::parse(text, guard);
+  } catch (const json_document::Error& e) {
     fail(std::string("header is not valid JSON: ") + e.what());
   }
 }

@@ -48,6 +48,17 @@ void check_floating(const char* op, const char* arg, const at::Tensor& t) {
               ": ", arg, " must be float32, bfloat16, float16 or float64, got ", s);
 }
 
+void check_expert_ids(const char* op, const at::Tensor& topk_ids, int64_t E) {
+  if (topk_ids.is_meta() || topk_ids.numel() == 0) return;
+  const at::Tensor ids = topk_ids.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  const int64_t k = ids.size(-1);
+  for (int64_t j = 0; j < ids.numel(); ++j)
+    TORCH_CHECK(id[j] >= 0 && id[j] <= E, "kernmap.", op, ": topk_ids[", j / k, ", ", j % k, "] = ", id[j],
+                " is outside [0, ", E, "] (ids below ", E, " name an expert; ", E,
+                ", the number of experts, marks a token routed to another rank and is skipped)");
+}
+
 void check_same_dtype(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
                       const at::Tensor& b) {
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "kernmap.", op, ": ", arg_b, " must have the dtype of ",

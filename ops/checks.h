@@ -38,6 +38,11 @@ void check_same_device(const char* op, const char* arg_a, const at::Tensor& a, c
 void check_same_shape(const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
                       const at::Tensor& b);
 
+/// Throws unless every id of topk_ids [T, k] is in [0, E], naming the first one that is not, as transformers'
+/// eager experts do: ids below E name an expert, E itself is the expert-parallel sentinel (a token routed to
+/// an expert of another rank, which contributes nothing). Values are not checked on Meta tensors.
+void check_expert_ids(const char* op, const at::Tensor& topk_ids, int64_t E);
+
 /// The kernels' element type for a checked floating dtype.
 cpu::DType cpu_dtype(at::ScalarType t);
 /// The accumulation dtype of the CPU kernels for input dtype t: float64 for float64, else float32.

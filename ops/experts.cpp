@@ -54,27 +54,38 @@ Shapes check_experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const
 }
 
 // Stable counting sort of the flattened (token, slot) pairs by expert: order[j] is the flat index of the j-th
-// pair in expert order, offs[e] the cumulative end of expert e's pairs.
+// pair in expert order, offs[e] the cumulative end of expert e's pairs. Pairs routed to the expert-parallel
+// sentinel E come last, after offs[E-1] (ids were checked to be in [0, E]).
 std::tuple<at::Tensor, at::Tensor> sort_by_expert(const at::Tensor& topk_ids, int64_t E) {
   const at::Tensor ids = topk_ids.reshape(-1).to(at::kLong).contiguous();
   const int64_t S = ids.numel();
   const int64_t* id = ids.const_data_ptr<int64_t>();
-  std::vector<int64_t> next(E + 1, 0);
-  for (int64_t j = 0; j < S; ++j) {
-    TORCH_CHECK(id[j] >= 0 && id[j] < E, "kernmap.experts: topk_ids must be in [0, ", E, "), got ", id[j],
-                " at flat position ", j);
-    ++next[id[j] + 1];
-  }
+  std::vector<int64_t> next(E + 2, 0);
+  for (int64_t j = 0; j < S; ++j) ++next[id[j] + 1];
   at::Tensor offs = at::empty({E}, topk_ids.options().dtype(at::kInt));
   int32_t* o = offs.data_ptr<int32_t>();
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e <= E; ++e) {
     next[e + 1] += next[e];
-    o[e] = static_cast<int32_t>(next[e + 1]);
+    if (e < E) o[e] = static_cast<int32_t>(next[e + 1]);
   }
   at::Tensor order = at::empty({S}, topk_ids.options().dtype(at::kLong));
   int64_t* ord = order.data_ptr<int64_t>();
   for (int64_t j = 0; j < S; ++j) ord[next[id[j]]++] = j;
   return {order, offs};
+}
+
+// The pairs that have an expert here: offs[E-1] (the rest, sorted last, went to the sentinel).
+int64_t routed_pairs(const at::Tensor& offs) {
+  return offs.numel() == 0 ? 0 : offs[-1].item<int64_t>();
+}
+
+// The grouped product of the routed rows a [R, K] (the pairs with an expert), followed by zero rows up to S:
+// the sentinel pairs' rows, which then add nothing in the combines. Only calls with sentinels pay for the
+// copy.
+at::Tensor grouped_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, int64_t S) {
+  const at::Tensor routed = grouped_mm_cpu(a, b, offs);
+  if (routed.size(0) == S) return routed;
+  return at::cat({routed, at::zeros({S - routed.size(0), routed.size(1)}, routed.options())});
 }
 
 // The inverse permutation: position of flat pair j in expert order. order comes back from the caller in the
@@ -175,13 +186,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_c
     const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
     const at::Tensor& gate_up, const at::Tensor& down) {
   const Shapes s = check_experts(hidden, topk_ids, topk_weights, gate_up, down);
+  check_expert_ids(kOp, topk_ids, s.E);
   auto [order, offs] = sort_by_expert(topk_ids, s.E);
-  const at::Tensor token = order.div(s.k, "floor");
-  const at::Tensor a = gather_rows(hidden, token);                         // [S, H]
-  const at::Tensor h1 = grouped_mm_cpu(a, gate_up.transpose(1, 2), offs);  // [S, 2I]
-  const at::Tensor act = kernmap::swiglu(h1);                              // [S, I]
-  const at::Tensor h2 = grouped_mm_cpu(act, down.transpose(1, 2), offs);   // [S, H]
-  const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
+  const int64_t R = routed_pairs(offs);
+  const int64_t S = s.T * s.k;
+  const at::Tensor token = order.narrow(0, 0, R).div(s.k, "floor");
+  const at::Tensor a = gather_rows(hidden, token);                                         // [R, H]
+  const at::Tensor h1 = grouped_rows(a, gate_up.transpose(1, 2), offs, S);                 // [S, 2I]
+  const at::Tensor act = kernmap::swiglu(h1);                                              // [S, I]
+  const at::Tensor h2 = grouped_rows(act.narrow(0, 0, R), down.transpose(1, 2), offs, S);  // [S, H]
+  at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
+  w.narrow(0, R, w.size(0) - R).zero_();  // sentinel pairs: a zero row times a zero weight adds +0
   const at::Tensor out = combine(h2, inverse_permutation(order), s.T, s.k, hidden.scalar_type(), w);
   return {out, order, offs, h1, h2};
 }
@@ -197,21 +212,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
               "kernmap.experts: h2 must be [T * k, H] = [", T * k, ", ", hidden.size(1), "] and order [",
               T * k, "], got ", h2.sizes(), " and ", order.sizes());
   const at::Tensor pos = inverse_permutation(order);  // checks order before the kernels read rows with it
-  const at::Tensor token = order.div(k, "floor");
-  const at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
+  const int64_t R = routed_pairs(offs);
+  check_offs(kOp, offs, gate_up.size(0), R, h1);
+  TORCH_CHECK(R <= T * k, "kernmap.experts: offs[-1] must be at most T * k = ", T * k, ", got ", R);
+  at::Tensor w = topk_weights.reshape(-1).index_select(0, order);
+  w.narrow(0, R, w.size(0) - R).zero_();
   // d(weighted row j) = grad_out[token of j] * w[j]; d topk_weights: <grad_out[t], h2 row>, in fp32 at least.
+  // Sentinel pairs' weights get a zero gradient, as in eager, where they take no part.
   auto [d_h2, dw_sorted] = combine_backward(grad, h2, w, order, k);
+  dw_sorted.narrow(0, R, dw_sorted.size(0) - R).zero_();
   at::Tensor d_topk = at::empty({T * k}, topk_weights.options());
   d_topk.index_copy_(0, order, dw_sorted);
   const at::Tensor act = kernmap::swiglu(h1);
-  const at::Tensor d_act = grouped_mm_cpu(d_h2, down, offs);           // [S, I]
-  const at::Tensor d_down = grouped_weight_grad_cpu(d_h2, act, offs);  // [E, H, I]
+  const at::Tensor d_h2_routed = d_h2.narrow(0, 0, R);
+  const at::Tensor d_act = grouped_rows(d_h2_routed, down, offs, T * k);                      // [S, I]
+  const at::Tensor d_down = grouped_weight_grad_cpu(d_h2_routed, act.narrow(0, 0, R), offs);  // [E, H, I]
   static auto swiglu_bwd =
       op_handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kernmap::swiglu_backward");
-  const at::Tensor d_h1 = swiglu_bwd.call(d_act, h1);          // [S, 2I]
-  const at::Tensor d_a = grouped_mm_cpu(d_h1, gate_up, offs);  // [S, H]
-  const at::Tensor a = gather_rows(hidden, token);
-  const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1, a, offs);  // [E, 2I, H]
+  const at::Tensor d_h1 = swiglu_bwd.call(d_act, h1);  // [S, 2I]
+  const at::Tensor d_h1_routed = d_h1.narrow(0, 0, R);
+  const at::Tensor d_a = grouped_rows(d_h1_routed, gate_up, offs, T * k);  // [S, H]
+  const at::Tensor a = gather_rows(hidden, order.narrow(0, 0, R).div(k, "floor"));
+  const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1_routed, a, offs);  // [E, 2I, H]
   const at::Tensor d_hidden = combine(d_a, pos, T, k, hidden.scalar_type());
   return {d_hidden, d_topk.view(topk_weights.sizes()), d_gate_up, d_down};
 }
@@ -300,9 +322,12 @@ TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
 namespace kernmap::reference {
 
 // The eager experts loop of transformers 5.x (Qwen2MoeExperts.forward): per expert hit, gather its tokens in
-// (slot, token) order, gate_up product, act(gate) * up, down product, routing weight, index_add.
+// (slot, token) order, gate_up product, act(gate) * up, down product, routing weight, index_add. Ids equal to
+// E (the expert-parallel sentinel) match no expert and are skipped; ids outside [0, E] are errors, as
+// transformers' one_hot over E + 1 classes makes them.
 at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                    const at::Tensor& gate_up_proj, const at::Tensor& down_proj) {
+  ops::check_expert_ids("reference_experts", topk_ids, gate_up_proj.size(0));
   at::Tensor out = at::zeros_like(hidden);
   const at::Tensor ids_by_slot = topk_ids.t();  // [k, T], as expert_mask[e] in transformers
   for (int64_t e = 0; e < gate_up_proj.size(0); ++e) {

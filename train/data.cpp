@@ -1,77 +1,61 @@
-// SFT data: token-id JSONL with every malformed line reported by number, the synthetic default, batches.
+// SFT data: token-id JSONL with every malformed line reported by number (each line parsed by
+// train/jsonl_format.cpp), the synthetic default, batches.
 #include <ATen/ops/full.h>
 
 #include <algorithm>
 #include <fstream>
-#include <nlohmann/json.hpp>
+#include <istream>
 #include <random>
 #include <sstream>
 #include <string>
 
 #include "kernmap/train.h"
+#include "train/jsonl_format.h"
 
 namespace kernmap::train {
-namespace {
 
-using nlohmann::json;
-
-// The ids under key, or a problem description.
-std::string read_ids(const json& object, const char* key, int64_t vocab_size, std::vector<int64_t>& out) {
-  if (!object.contains(key)) return std::string("missing \"") + key + "\"";
-  const json& ids = object[key];
-  if (!ids.is_array()) return std::string("\"") + key + "\" must be an array of token ids, got " + ids.dump();
-  out.reserve(ids.size());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const json& id = ids[i];
-    if (!id.is_number_integer())
-      return std::string("\"") + key + "\"[" + std::to_string(i) + "] must be an integer, got " + id.dump();
-    const int64_t v = id.get<int64_t>();
-    if (v < 0 || v >= vocab_size)
-      return std::string("\"") + key + "\"[" + std::to_string(i) + "] = " + std::to_string(v) +
-             " is outside the vocabulary [0, " + std::to_string(vocab_size) + ")";
-    out.push_back(v);
-  }
-  return {};
-}
-
-std::string parse_line(const std::string& line, int64_t vocab_size, Example& ex) {
-  json object = json::parse(line, nullptr, /*allow_exceptions=*/false);
-  if (object.is_discarded()) return "not valid JSON";
-  if (!object.is_object()) return "not a JSON object";
-  if (std::string p = read_ids(object, "prompt_ids", vocab_size, ex.prompt_ids); !p.empty()) return p;
-  if (std::string p = read_ids(object, "response_ids", vocab_size, ex.response_ids); !p.empty()) return p;
-  if (ex.response_ids.empty()) return "\"response_ids\" is empty (nothing to train on)";
-  if (ex.prompt_ids.size() + ex.response_ids.size() < 2)
-    return "fewer than 2 tokens (a single token predicts nothing)";
-  return {};
-}
-
-}  // namespace
-
-Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines) {
-  std::ifstream in(path);
-  if (!in) throw DataError(path + ": cannot open", {});
+Dataset read_jsonl(std::istream& in, const std::string& source, int64_t vocab_size, bool skip_bad_lines) {
   Dataset data;
-  data.source = path;
+  data.source = source;
   std::string line;
-  for (int64_t number = 1; std::getline(in, line); ++number) {
-    if (std::all_of(line.begin(), line.end(), [](unsigned char c) { return std::isspace(c); })) continue;
-    Example ex;
-    if (std::string problem = parse_line(line, vocab_size, ex); !problem.empty()) {
-      data.skipped.push_back({number, problem});
-      continue;
+  int64_t number = 0;
+  // A read error (EIO, EISDIR, ...) makes the file buffer throw, which getline turns into badbit and, with
+  // badbit in exceptions(), rethrows: caught here, it cannot pass for the end of the file and truncate the
+  // data unnoticed.
+  const std::ios::iostate previous = in.exceptions();
+  try {
+    in.exceptions(std::ios::badbit);
+    while (std::getline(in, line)) {
+      ++number;
+      if (jsonl::is_blank(line)) continue;
+      jsonl::LineIds ids;
+      if (std::string problem = jsonl::parse_line(line, vocab_size, ids); !problem.empty()) {
+        data.skipped.push_back({number, problem});
+        continue;
+      }
+      data.examples.push_back({std::move(ids.prompt_ids), std::move(ids.response_ids)});
     }
-    data.examples.push_back(std::move(ex));
+  } catch (const std::ios_base::failure& e) {
+    in.exceptions(previous);
+    throw DataError(source + ": read error after line " + std::to_string(number) + ": " + e.what(),
+                    data.skipped);
   }
+  in.exceptions(previous);
   if (!data.skipped.empty() && !skip_bad_lines) {
     std::ostringstream msg;
-    msg << path << ": " << data.skipped.size() << " malformed line" << (data.skipped.size() == 1 ? "" : "s")
+    msg << source << ": " << data.skipped.size() << " malformed line" << (data.skipped.size() == 1 ? "" : "s")
         << " (--skip-bad-lines skips them):";
     for (const DataIssue& issue : data.skipped) msg << "\n  line " << issue.line << ": " << issue.problem;
     throw DataError(msg.str(), data.skipped);
   }
-  if (data.examples.empty()) throw DataError(path + ": no usable examples", data.skipped);
+  if (data.examples.empty()) throw DataError(source + ": no usable examples", data.skipped);
   return data;
+}
+
+Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines) {
+  std::ifstream in(path);
+  if (!in) throw DataError(path + ": cannot open", {});
+  return read_jsonl(in, path, vocab_size, skip_bad_lines);
 }
 
 Dataset synthetic_dataset(int64_t vocab_size, int64_t num_examples, int64_t seq_len, uint64_t seed) {
@@ -98,10 +82,17 @@ Dataset synthetic_dataset(int64_t vocab_size, int64_t num_examples, int64_t seq_
 
 Batch make_batch(const Dataset& data, int64_t step, int64_t batch_size, int64_t pad_id) {
   const int64_t n = static_cast<int64_t>(data.examples.size());
+  if (n == 0 || step < 0 || batch_size < 1)
+    throw std::invalid_argument("make_batch: needs examples, step >= 0 and batch_size >= 1, got " +
+                                std::to_string(n) + " examples, step " + std::to_string(step) +
+                                ", batch_size " + std::to_string(batch_size));
   std::vector<const Example*> rows;
   int64_t len = 0;
   for (int64_t b = 0; b < batch_size; ++b) {
-    rows.push_back(&data.examples[(step * batch_size + b) % n]);
+    // In 128 bits: step * batch_size passes 2^63 long before a step count does (Trainer bounds steps at
+    // 2^53).
+    const auto index = (static_cast<unsigned __int128>(step) * static_cast<uint64_t>(batch_size) + b) % n;
+    rows.push_back(&data.examples[static_cast<size_t>(index)]);
     len = std::max<int64_t>(len, rows.back()->prompt_ids.size() + rows.back()->response_ids.size());
   }
   Batch batch;

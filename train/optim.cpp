@@ -2,20 +2,58 @@
 // torch.nn.utils.clip_grad_norm_ (per-tensor path, the CPU default), so that runs match PyTorch bit for bit
 // in the update and to rounding in the norm.
 #include <ATen/ops/clamp.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
 
 #include <cmath>
+#include <map>
+#include <sstream>
 #include <stdexcept>
 
+#include "kernmap/safetensors.h"
 #include "kernmap/train.h"
+#include "train/checkpoint_format.h"
 
 namespace kernmap::train {
+namespace {
+
+namespace cf = checkpoint_format;
+
+std::string number(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
+// torch.optim.AdamW raises for lr, eps, betas or weight_decay below 0 but takes NaN, infinities and betas of
+// 1 or more, and then trains NaN (or divides by zero in the bias corrections at beta 1).
+const AdamWOptions& validated(const AdamWOptions& o) {
+  auto require = [](bool ok, const char* name, double v, const char* range) {
+    if (!ok)
+      throw std::invalid_argument(std::string("AdamW: ") + name + " = " + number(v) + " (must be " + range +
+                                  ")");
+  };
+  require(std::isfinite(o.lr) && o.lr > 0, "lr", o.lr, "finite and > 0");
+  require(o.beta1 >= 0 && o.beta1 < 1, "beta1", o.beta1, "in [0, 1)");
+  require(o.beta2 >= 0 && o.beta2 < 1, "beta2", o.beta2, "in [0, 1)");
+  require(std::isfinite(o.eps) && o.eps > 0, "eps", o.eps, "finite and > 0");
+  require(std::isfinite(o.weight_decay) && o.weight_decay >= 0, "weight_decay", o.weight_decay,
+          "finite and >= 0");
+  return o;
+}
+
+// How many elements of t are NaN or infinite.
+int64_t non_finite(const at::Tensor& t) {
+  return t.numel() - at::isfinite(t).sum().item<int64_t>();
+}
+
+}  // namespace
 
 AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> params, AdamWOptions options)
-    : params_(std::move(params)), options_(options) {
+    : params_(std::move(params)), options_(validated(options)) {
   for (const auto& [name, p] : params_) {
     exp_avg_.push_back(at::zeros_like(p, at::MemoryFormat::Preserve));
     exp_avg_sq_.push_back(at::zeros_like(p, at::MemoryFormat::Preserve));
@@ -58,18 +96,34 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
 
 void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t step) {
   c10::NoGradGuard no_grad;
-  auto find = [&](const std::string& name, const at::Tensor& like) -> const at::Tensor& {
-    for (const auto& [n, t] : tensors)
-      if (n == name) {
-        if (!t.sizes().equals(like.sizes()))
-          throw std::runtime_error("optimizer state '" + name + "' has the wrong shape");
-        return t;
-      }
-    throw std::runtime_error("optimizer state '" + name + "' is missing");
-  };
+  // Names, dtypes and shapes first (torch-free, as the fuzz target checks them), then the values, then the
+  // copies: a refused state changes nothing.
+  std::vector<cf::TensorSpec> params, found;
+  for (const auto& [name, p] : params_)
+    params.push_back({name, safetensors_dtype_name(p.scalar_type()), p.sizes().vec()});
+  for (const auto& [name, t] : tensors)
+    found.push_back({name, safetensors_dtype_name(t.scalar_type()), t.sizes().vec()});
+  try {
+    cf::check_tensors(found, cf::optimizer_state(params));
+    cf::check_step(step);
+  } catch (const cf::FormatError& e) {
+    throw CheckpointError(std::string("optimizer state: ") + e.what());
+  }
+  std::map<std::string, const at::Tensor*> by_name;
+  for (const auto& [name, t] : tensors) by_name[name] = &t;
+  for (const auto& [name, t] : tensors) {
+    if (const int64_t bad = non_finite(t); bad > 0)
+      throw CheckpointError("optimizer state: tensor '" + name + "' holds " + std::to_string(bad) +
+                            " NaN or infinite value" + (bad == 1 ? "" : "s"));
+    if (name.starts_with("exp_avg_sq/"))
+      if (const int64_t negative = (t < 0).sum().item<int64_t>(); negative > 0)
+        throw CheckpointError("optimizer state: tensor '" + name + "' holds " + std::to_string(negative) +
+                              " negative value" + (negative == 1 ? "" : "s") + " (the smallest " +
+                              number(t.min().item<double>()) + "); exp_avg_sq is a running mean of squares");
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
-    exp_avg_[i].copy_(find("exp_avg/" + params_[i].first, exp_avg_[i]));
-    exp_avg_sq_[i].copy_(find("exp_avg_sq/" + params_[i].first, exp_avg_sq_[i]));
+    exp_avg_[i].copy_(*by_name.at("exp_avg/" + params_[i].first));
+    exp_avg_sq_[i].copy_(*by_name.at("exp_avg_sq/" + params_[i].first));
   }
   step_ = step;
 }

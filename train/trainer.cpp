@@ -1,20 +1,27 @@
 // The SFT step loop and its checkpoints.
 #include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
 #include <c10/core/GradMode.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "kernmap/train.h"
+#include "train/checkpoint_format.h"
 
 namespace kernmap::train {
 namespace {
+
+namespace cf = checkpoint_format;
 
 constexpr const char* kCheckpointFile = "checkpoint.safetensors";
 
@@ -33,12 +40,35 @@ double cpu_now() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
+const TrainOptions& validated(const TrainOptions& o) {
+  if (o.batch_size < 1)
+    throw std::invalid_argument("TrainOptions: batch_size = " + std::to_string(o.batch_size) +
+                                " (must be >= 1)");
+  // NaN compares false: !(x > 0) refuses it with the non-positive values.
+  if (!(o.max_grad_norm > 0)) {
+    std::ostringstream msg;
+    msg << "TrainOptions: max_grad_norm = " << o.max_grad_norm << " (must be > 0; inf turns clipping off)";
+    throw std::invalid_argument(msg.str());
+  }
+  return o;
+}
+
+// A non-finite loss or gradient norm: NonFiniteError, before anything is updated.
+[[noreturn]] void stop(int64_t step, const char* what, double value) {
+  std::ostringstream msg;
+  msg << "step " << step << ": the " << what << " is " << value
+      << "; stopped before updating, the parameters are those after step " << step - 1
+      << " (a learning rate too high, or NaN in the weights or data? skip_non_finite skips such steps "
+         "instead)";
+  throw NonFiniteError(msg.str(), step);
+}
+
 }  // namespace
 
 Trainer::Trainer(std::shared_ptr<CausalLM> model, const Dataset& data, TrainOptions options)
     : model_(std::move(model)),
       data_(data),
-      options_(options),
+      options_(validated(options)),
       params_([&] {
         std::vector<std::pair<std::string, at::Tensor>> params;
         for (const auto& item : model_->named_parameters()) params.emplace_back(item.key(), item.value());
@@ -54,15 +84,26 @@ StepLog Trainer::step() {
 
   optimizer_.zero_grad();
   const CausalLMOutput out = model_->forward(batch.input_ids, batch.labels);  // forward + loss
-  out.loss.backward();                                                        // backward
-  const double grad_norm = clip_grad_norm(params_, options_.max_grad_norm);   // clip
-  optimizer_.step();                                                          // update
+  const double loss = out.loss.item<double>();
+  double grad_norm = std::nan("");
+  if (std::isfinite(loss)) {
+    out.loss.backward();                                          // backward
+    grad_norm = clip_grad_norm(params_, options_.max_grad_norm);  // clip
+  }
+  const bool finite = std::isfinite(loss) && std::isfinite(grad_norm);
+  if (finite) {
+    optimizer_.step();  // update
+  } else {
+    optimizer_.zero_grad();  // no update: this step's gradients are dropped
+    if (!options_.skip_non_finite)
+      stop(step_ + 1, std::isfinite(loss) ? "gradient norm" : "loss", std::isfinite(loss) ? grad_norm : loss);
+    ++skipped_;
+  }
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double cpu_seconds = cpu_now() - cpu_start;
   ++step_;
-  return {step_,        out.loss.item<double>(), grad_norm, seconds, cpu_seconds,
-          batch.tokens, batch.tokens / seconds};
+  return {step_, loss, grad_norm, seconds, cpu_seconds, batch.tokens, batch.tokens / seconds, !finite};
 }
 
 void Trainer::save_checkpoint(const std::string& dir) const {
@@ -86,25 +127,44 @@ void Trainer::save_checkpoint(const std::string& dir) const {
   sync_path(dir);
 }
 
-void Trainer::load_checkpoint(const std::string& dir) {
+int64_t Trainer::load_checkpoint(const std::string& dir) {
   const std::string path = dir + "/" + kCheckpointFile;
   const auto tensors = read_safetensors(path);
-  int64_t step = -1;
-  for (const auto& [name, t] : tensors)
-    if (name == "trainer/step") step = t.item<int64_t>();
-  if (step < 0) throw CheckpointError(path + ": missing tensor 'trainer/step'");
-  c10::NoGradGuard no_grad;
-  for (auto& [name, p] : params_) {
-    const std::string key = "param/" + name;
-    auto it =
-        std::find_if(tensors.begin(), tensors.end(), [&](const auto& item) { return item.first == key; });
-    if (it == tensors.end()) throw CheckpointError(path + ": missing tensor '" + key + "'");
-    if (!it->second.sizes().equals(p.sizes()))
-      throw CheckpointError(path + ": tensor '" + key + "' does not match the model's shape");
-    p.copy_(it->second);
+  // Names, dtypes and shapes against this model (torch-free, as the fuzz target checks them), then values:
+  // nothing is copied until the whole checkpoint has passed.
+  std::vector<cf::TensorSpec> params, found;
+  for (const auto& [name, p] : params_)
+    params.push_back({name, safetensors_dtype_name(p.scalar_type()), p.sizes().vec()});
+  std::map<std::string, at::Tensor> by_name;
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (const auto& [name, t] : tensors) {
+    found.push_back({name, safetensors_dtype_name(t.scalar_type()), t.sizes().vec()});
+    by_name[name] = t;
+    if (name.starts_with("exp_avg")) state.emplace_back(name, t);
   }
-  optimizer_.load_state(tensors, step);
+  int64_t step = 0;
+  try {
+    cf::check_tensors(found, cf::checkpoint_tensors(params));
+    step = by_name.at(cf::kStepTensor).item<int64_t>();
+    cf::check_step(step);
+  } catch (const cf::FormatError& e) {
+    throw CheckpointError(path + ": " + e.what());
+  }
+  for (const auto& [name, p] : params_) {
+    const at::Tensor& t = by_name.at("param/" + name);
+    if (const int64_t bad = t.numel() - at::isfinite(t).sum().item<int64_t>(); bad > 0)
+      throw CheckpointError(path + ": tensor 'param/" + name + "' holds " + std::to_string(bad) +
+                            " NaN or infinite value" + (bad == 1 ? "" : "s"));
+  }
+  try {
+    optimizer_.load_state(state, step);
+  } catch (const CheckpointError& e) {
+    throw CheckpointError(path + ": " + e.what());
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& [name, p] : params_) p.copy_(by_name.at("param/" + name));
   step_ = step;
+  return step;
 }
 
 LayerSet parse_kernels(const std::string& text) {

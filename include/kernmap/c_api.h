@@ -20,6 +20,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernmap/export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -33,10 +35,10 @@ enum kernmap_status {
 };
 
 /* The API version this library implements (KERNMAP_C_API_VERSION at its build). */
-int kernmap_c_api_version(void);
+KERNMAP_API int kernmap_c_api_version(void);
 
 /* Releases a string returned by this library. NULL is accepted. */
-void kernmap_free(char* text);
+KERNMAP_API void kernmap_free(char* text);
 
 /* A kernel's shape check, called during resolution with the inputs as JSON ({"dtype": "float32", "shapes":
  * [[4, 8], [8]]}, fields empty when unknown). Returns 1 when the kernel takes the inputs; otherwise 0 after
@@ -50,42 +52,41 @@ typedef int (*kernmap_supports_fn)(void* user_data, const char* inputs_json, cha
  * "op": "acme::rms_norm" (or "" for kernels that are not torch ops, such as Python callables), "description":
  * "..."}. Only name and layer are required. supports may be NULL; user_data is passed to it unchanged and
  * must stay valid for the life of the process (kernels are never unregistered). */
-int kernmap_register_kernel(const char* descriptor_json, kernmap_supports_fn supports, void* user_data,
-                            char** error);
+KERNMAP_API int kernmap_register_kernel(const char* descriptor_json, kernmap_supports_fn supports,
+                                        void* user_data, char** error);
 
 /* Adds user registrations (register_mapping). */
-int kernmap_register_mapping(const char* mapping_json, char** error);
+KERNMAP_API int kernmap_register_mapping(const char* mapping_json, char** error);
 /* Adds built-in defaults (register_default_mapping): for device packages and plugins that bring defaults. */
-int kernmap_register_default_mapping(const char* mapping_json, char** error);
-/* Reads a mapping file (.json, or .toml in the subset docs/mapping.md describes) and validates it against the
- * registry as it stands (kernmap::load_mapping_file); *mapping_json receives the mapping in the shape above.
- * On failure the message starts with the location: "FILE:LINE:COL: problem" or "FILE: /Layer/device/mode:
- * problem". */
-int kernmap_load_mapping_file(const char* path, char** mapping_json, char** error);
+KERNMAP_API int kernmap_register_default_mapping(const char* mapping_json, char** error);
+/* Reads a mapping file (.json or .toml, docs/mapping.md) and validates it against the registry as it stands
+ * (kernmap::load_mapping_file); *mapping_json receives the mapping in the shape above. On failure the message
+ * starts with the location: "FILE:LINE:COL: problem" or "FILE: /Layer/device/mode: problem". */
+KERNMAP_API int kernmap_load_mapping_file(const char* path, char** mapping_json, char** error);
 /* Reads, validates and registers a mapping file as user registrations (kernmap::register_mapping_file);
  * nothing is registered when the file has an error. */
-int kernmap_register_mapping_file(const char* path, char** error);
+KERNMAP_API int kernmap_register_mapping_file(const char* path, char** error);
 /* Removes every user registration. */
-int kernmap_clear_user_mappings(char** error);
+KERNMAP_API int kernmap_clear_user_mappings(char** error);
 
 /* Pushes a scoped override on the calling thread (ScopedMapping); *handle identifies it for
  * kernmap_pop_scope. inherit = 0 hides every level below the scope. */
-int kernmap_push_scope(const char* mapping_json, int inherit, uint64_t* handle, char** error);
+KERNMAP_API int kernmap_push_scope(const char* mapping_json, int inherit, uint64_t* handle, char** error);
 /* Ends a scope pushed on this thread. Ending scopes out of nesting order is allowed. */
-int kernmap_pop_scope(uint64_t handle, char** error);
+KERNMAP_API int kernmap_pop_scope(uint64_t handle, char** error);
 
 /* Resolves {"layer": "RMSNorm", "device": "cpu", "mode": "training", "dtype": "bfloat16" (optional),
  * "shapes":
  * [[...], ...] (optional)} into *decision_json: {"layer", "device", "mode", "kernel", "op", "fallback",
  * "source", "reason"}. */
-int kernmap_resolve(const char* request_json, char** decision_json, char** error);
+KERNMAP_API int kernmap_resolve(const char* request_json, char** decision_json, char** error);
 
 /* Every registered kernel's descriptor (as kernmap_register_kernel takes it, plus "provider"), sorted by
  * name. */
-int kernmap_list_kernels(char** kernels_json, char** error);
+KERNMAP_API int kernmap_list_kernels(char** kernels_json, char** error);
 
 /* The mapping resolution sees on this thread, all levels merged. */
-int kernmap_effective_mapping(char** mapping_json, char** error);
+KERNMAP_API int kernmap_effective_mapping(char** mapping_json, char** error);
 
 /* Plugins (include/kernmap/plugins.h, docs/plugins.md). */
 
@@ -97,15 +98,15 @@ int kernmap_effective_mapping(char** mapping_json, char** error);
  * ("loaded", "skipped", "refused"), "reason", "variant", "offered", "score", "kernels", "defaults"}]}. A
  * refused package is not an error unless "strict" is true: then the call returns KERNMAP_INVALID_ARGUMENT
  * with the refusals in *error, and *report_json is still set. */
-int kernmap_load_plugins(const char* options_json, char** report_json, char** error);
+KERNMAP_API int kernmap_load_plugins(const char* options_json, char** report_json, char** error);
 
 /* Every load attempt of this process so far, in the report form of kernmap_load_plugins. */
-int kernmap_plugin_report(char** report_json, char** error);
+KERNMAP_API int kernmap_plugin_report(char** report_json, char** error);
 
 /* Writes dir/kernmap.lock pinning every package of the repository dir; *lock_json receives its text. Nothing
  * is written when any library is missing or does not match its manifest's sha256 (*error lists every
  * problem). */
-int kernmap_write_lock(const char* dir, char** lock_json, char** error);
+KERNMAP_API int kernmap_write_lock(const char* dir, char** lock_json, char** error);
 
 #ifdef __cplusplus
 }

@@ -16,13 +16,14 @@
 #include <tuple>
 #include <vector>
 
+#include "kernmap/export.h"
 #include "kernmap/registry.h"
 
 namespace kernmap {
 
 /// A module with a layer name ("RMSNorm", "FusedAddRMSNorm", "rotary_pos_emb", "SiluAndMul", "Experts") and a
 /// forward that runs the bound kernel.
-class KernelLayer : public torch::nn::Module {
+class KERNMAP_API KernelLayer : public torch::nn::Module {
  public:
   ~KernelLayer() override;
   /// The registry layer this module implements.
@@ -51,7 +52,7 @@ class KernelLayer : public torch::nn::Module {
 };
 
 /// RMSNorm over the last dimension (transformers' Qwen2RMSNorm): parameter `weight` [H], initialised to ones.
-class RMSNorm : public KernelLayer {
+class KERNMAP_API RMSNorm : public KernelLayer {
  public:
   RMSNorm(int64_t hidden_size, double eps, const at::TensorOptions& options = {});
   ~RMSNorm() override;
@@ -71,7 +72,7 @@ class RMSNorm : public KernelLayer {
 /// The residual add in front of a pre-norm fused with the norm (layer "FusedAddRMSNorm"): parameter `weight`
 /// [H], initialised to ones, as RMSNorm's. forward(x, residual) -> (rms_norm(x + residual), x + residual):
 /// the normed input of the next block and the residual stream's next value.
-class FusedAddRMSNorm : public KernelLayer {
+class KERNMAP_API FusedAddRMSNorm : public KernelLayer {
  public:
   FusedAddRMSNorm(int64_t hidden_size, double eps, const at::TensorOptions& options = {});
   ~FusedAddRMSNorm() override;
@@ -91,7 +92,7 @@ class FusedAddRMSNorm : public KernelLayer {
 /// The rotary embedding of an attention's queries and keys (layer "rotary_pos_emb", transformers'
 /// apply_rotary_pos_emb); no parameters. forward(q [B, heads, S, D], k [B, kv_heads, S, D], cos [B, S, D],
 /// sin) -> (q_embed, k_embed), cos and sin unsqueezed at dimension 1 (the heads).
-class RotaryPosEmb : public KernelLayer {
+class KERNMAP_API RotaryPosEmb : public KernelLayer {
  public:
   /// dtype: what resolution is told (the attention's weights').
   RotaryPosEmb(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::ScalarType dtype);
@@ -110,7 +111,7 @@ class RotaryPosEmb : public KernelLayer {
 
 /// A linear map y = x W^T (+ b) with parameters `weight` [out, in] and optional `bias` [out], created with
 /// the given options (a meta device builds a model without memory). Not a kernel layer.
-class Linear : public torch::nn::Module {
+class KERNMAP_API Linear : public torch::nn::Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias, const at::TensorOptions& options = {});
   at::Tensor forward(const at::Tensor& x);
@@ -120,7 +121,7 @@ class Linear : public torch::nn::Module {
 
 /// The gated MLP: down_proj(act(gate_proj(x)) * up_proj(x)), the activation being the "SiluAndMul" layer.
 /// Submodules gate_proj, up_proj, down_proj (no bias), as in transformers' Qwen2MLP.
-class GatedMLP : public KernelLayer {
+class KERNMAP_API GatedMLP : public KernelLayer {
  public:
   GatedMLP(int64_t hidden_size, int64_t intermediate_size, const at::TensorOptions& options = {});
   ~GatedMLP() override;
@@ -136,7 +137,7 @@ class GatedMLP : public KernelLayer {
 
 /// A MoE layer's experts in the transformers 5.x layout: parameters gate_up_proj [E, 2I, H] (gate rows first)
 /// and down_proj [E, H, I]. forward(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H].
-class Experts : public KernelLayer {
+class KERNMAP_API Experts : public KernelLayer {
  public:
   Experts(int64_t num_experts, int64_t hidden_size, int64_t intermediate_size, int64_t top_k,
           const at::TensorOptions& options = {});
@@ -155,7 +156,7 @@ class Experts : public KernelLayer {
 };
 
 /// One row of a kernelize Report.
-struct ReportEntry {
+struct KERNMAP_API ReportEntry {
   std::string path;       ///< module path, e.g. "model.layers.0.input_layernorm"
   std::string layer;      ///< "RMSNorm"
   std::string kernel;     ///< the kernel bound, e.g. "kernmap/rms_norm"
@@ -165,7 +166,7 @@ struct ReportEntry {
 };
 
 /// What kernelize did, one entry per kernel layer in module order.
-struct Report {
+struct KERNMAP_API Report {
   std::string device;
   Mode mode = Mode::kInference;
   std::vector<ReportEntry> entries;
@@ -176,7 +177,7 @@ struct Report {
 };
 
 /// Thrown by kernelize(use_fallback=false) when a layer has no usable mapped kernel; nothing is rebound.
-class KernelizeError : public std::runtime_error {
+class KERNMAP_API KernelizeError : public std::runtime_error {
  public:
   KernelizeError(const std::string& what, Report report)
       : std::runtime_error(what), report(std::move(report)) {}
@@ -188,9 +189,10 @@ class KernelizeError : public std::runtime_error {
 /// use_fallback=false, a layer that would fall back to its reference raises KernelizeError carrying the
 /// report, before anything is rebound. Calling it again re-resolves (after a mapping change, in another
 /// mode).
-Report kernelize(torch::nn::Module& module, const std::string& device, Mode mode, bool use_fallback = true);
+KERNMAP_API Report kernelize(torch::nn::Module& module, const std::string& device, Mode mode,
+                             bool use_fallback = true);
 
 /// Binds every KernelLayer in module back to its reference kernel and reports it.
-Report restore_reference(torch::nn::Module& module);
+KERNMAP_API Report restore_reference(torch::nn::Module& module);
 
 }  // namespace kernmap

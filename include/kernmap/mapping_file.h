@@ -21,13 +21,14 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernmap/export.h"
 #include "kernmap/registry.h"
 
 namespace kernmap {
 
 /// A mapping file that cannot be read, parsed or validated. The message gives the location and the problem; a
 /// file with several invalid entries lists each, one per line.
-class MappingFileError : public std::invalid_argument {
+class KERNMAP_API MappingFileError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
@@ -37,10 +38,10 @@ class MappingFileError : public std::invalid_argument {
 /// every mode one of inference, training, inference+compile, training+compile, fallback, and every kernel
 /// registered, for that layer, and able to run on that device. Returns the mapping, ready for
 /// register_mapping or ScopedMapping. Throws MappingFileError.
-Mapping load_mapping_file(const std::string& path);
+KERNMAP_API Mapping load_mapping_file(const std::string& path);
 
 /// load_mapping_file, then register_mapping: the file's entries become user registrations (a (layer, device)
 /// entry replaces an earlier one). Nothing is registered when the file has any error.
-void register_mapping_file(const std::string& path);
+KERNMAP_API void register_mapping_file(const std::string& path);
 
 }  // namespace kernmap

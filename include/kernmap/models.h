@@ -15,19 +15,20 @@
 #include <string>
 #include <vector>
 
+#include "kernmap/export.h"
 #include "kernmap/layers.h"
 #include "kernmap/safetensors.h"
 
 namespace kernmap {
 
 /// A config.json that cannot be used: the message names the key and the problem.
-class ConfigError : public std::runtime_error {
+class KERNMAP_API ConfigError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
 /// The subset of a transformers config that the three model families use.
-struct ModelConfig {
+struct KERNMAP_API ModelConfig {
   std::string model_type;  ///< "qwen2", "qwen2_moe" or "qwen3_moe"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -65,6 +66,14 @@ struct ModelConfig {
   static ModelConfig from_json(const std::string& text);
   /// from_json on DIR/config.json.
   static ModelConfig from_dir(const std::string& dir);
+  /// The parameters of a model of this config: every weight, bias and norm, tied embeddings once. A double:
+  /// each size of a config.json is capped, their products are not, and a config can describe more than 2^64.
+  double parameter_count() const;
+  /// Throws ConfigError, saying how many bytes the parameters would take and the cap, when parameter_count()
+  /// parameters of bytes_per_parameter bytes each exceed this machine's physical memory: such a model cannot
+  /// be built, and allocating it would fail deep inside the allocator (or, with overcommit, in the OOM
+  /// killer).
+  void check_fits_in_memory(size_t bytes_per_parameter) const;
   /// A config.json that transformers loads (model_type, architectures and every field above).
   std::string to_json() const;
 };
@@ -73,15 +82,16 @@ class DecoderModel;
 
 /// Logits [B, S, V]; loss (mean next-token cross entropy in fp32, labels -100 ignored) when labels were
 /// given.
-struct CausalLMOutput {
+struct KERNMAP_API CausalLMOutput {
   at::Tensor logits;
   at::Tensor loss;
 };
 
 /// A causal language model: submodules "model" (embed_tokens, layers.N, norm) and "lm_head" (absent when the
 /// embeddings are tied). Parameters are created with the given options; a meta device builds the structure
-/// without memory (enough for kernelize and `kernmap plan`).
-class CausalLM : public torch::nn::Module {
+/// without memory (enough for kernelize and `kernmap plan`). On any other device the constructor first calls
+/// config.check_fits_in_memory for the options' dtype.
+class KERNMAP_API CausalLM : public torch::nn::Module {
  public:
   CausalLM(ModelConfig config, const at::TensorOptions& options);
   ~CausalLM() override;
@@ -107,32 +117,35 @@ class CausalLM : public torch::nn::Module {
 };
 
 /// Qwen2: q/k/v with bias, dense gated MLPs.
-class Qwen2ForCausalLM : public CausalLM {
+class KERNMAP_API Qwen2ForCausalLM : public CausalLM {
  public:
   Qwen2ForCausalLM(ModelConfig config, const at::TensorOptions& options = {});
 };
 /// Qwen2-MoE: sparse blocks with top-k routed experts plus a shared expert scaled by
 /// sigmoid(shared_expert_gate).
-class Qwen2MoeForCausalLM : public CausalLM {
+class KERNMAP_API Qwen2MoeForCausalLM : public CausalLM {
  public:
   Qwen2MoeForCausalLM(ModelConfig config, const at::TensorOptions& options = {});
 };
 /// Qwen3-MoE: RMSNorm on q and k heads, sparse blocks without a shared expert.
-class Qwen3MoeForCausalLM : public CausalLM {
+class KERNMAP_API Qwen3MoeForCausalLM : public CausalLM {
  public:
   Qwen3MoeForCausalLM(ModelConfig config, const at::TensorOptions& options = {});
 };
 
 /// The model class of config.model_type, with zero weights.
-std::shared_ptr<CausalLM> make_model(const ModelConfig& config, const at::TensorOptions& options = {});
+KERNMAP_API std::shared_ptr<CausalLM> make_model(const ModelConfig& config,
+                                                 const at::TensorOptions& options = {});
 /// config.json + weights of a Hugging Face checkpoint folder.
-std::shared_ptr<CausalLM> from_pretrained(const std::string& dir, const at::TensorOptions& options = {});
+KERNMAP_API std::shared_ptr<CausalLM> from_pretrained(const std::string& dir,
+                                                      const at::TensorOptions& options = {});
 
 /// Built-in tiny configurations: "qwen2-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny".
-std::vector<std::string> preset_names();
+KERNMAP_API std::vector<std::string> preset_names();
 /// The config of a preset; throws std::invalid_argument naming the presets for an unknown name.
-ModelConfig preset_config(const std::string& name);
+KERNMAP_API ModelConfig preset_config(const std::string& name);
 /// A preset model with random weights from a fixed seed (no weights are drawn on a meta device).
-std::shared_ptr<CausalLM> make_preset(const std::string& name, const at::TensorOptions& options = {});
+KERNMAP_API std::shared_ptr<CausalLM> make_preset(const std::string& name,
+                                                  const at::TensorOptions& options = {});
 
 }  // namespace kernmap

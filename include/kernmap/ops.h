@@ -7,52 +7,57 @@
 #include <cstdint>
 #include <tuple>
 
+#include "kernmap/export.h"
+
 namespace kernmap {
 
 /// RMSNorm with the transformers eager math: weight * to(x.dtype)(x_fp32 * rsqrt(mean(x_fp32^2, -1) + eps)).
 /// x: [..., H] floating; weight: [H]. Output dtype: promote(x.dtype, weight.dtype).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+KERNMAP_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 /// The residual add in front of a pre-norm fused with the RMSNorm: returns (rms_norm(x + residual, weight,
 /// eps), x + residual), the sum rounded to x's dtype as eager's add rounds it. x, residual: [..., H], same
 /// shape and dtype.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps);
+KERNMAP_API std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                            const at::Tensor& weight, double eps);
 /// transformers' apply_rotary_pos_emb: (q * c + rotate_half(q) * s, k * c + rotate_half(k) * s) with c, s =
 /// cos, sin unsqueezed at unsqueeze_dim; rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). q, k: [..., D], D
 /// even; c and s must broadcast to each. Each product and the sum are rounded to the output dtype as eager
 /// rounds them. Outputs keep q's and k's layouts.
-std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& cos, const at::Tensor& sin,
-                                                int64_t unsqueeze_dim = 1);
+KERNMAP_API std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& cos, const at::Tensor& sin,
+                                                            int64_t unsqueeze_dim = 1);
 /// SiLU x * sigmoid(x), evaluated in fp32 (fp64 for fp64) and rounded once.
-at::Tensor silu(const at::Tensor& x);
+KERNMAP_API at::Tensor silu(const at::Tensor& x);
 /// silu(gate) * up, as the gated MLP computes it. gate and up: same shape and dtype.
-at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
+KERNMAP_API at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 /// The packed form: gate_up[..., 2I], gate first; returns [..., I].
-at::Tensor swiglu(const at::Tensor& gate_up);
+KERNMAP_API at::Tensor swiglu(const at::Tensor& gate_up);
 
 /// Grouped product: rows offs[e-1]..offs[e] of a [T, K] multiply b[e] ([E, K, N]; a transposed view of
 /// [E, N, K] is read in place); offs: int32 [E] cumulative row ends, offs[E-1] == T. Returns [T, N].
-at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs);
+KERNMAP_API at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs);
 /// MoE experts (transformers 5.x layout): hidden [T, H], topk_ids / topk_weights [T, k], gate_up_proj [E, 2I,
 /// H] (gate rows first), down_proj [E, H, I]. Returns sum_k topk_weights * down(silu(gate) * up) per token.
-at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+/// Ids follow transformers' eager experts: an id of E (the expert-parallel sentinel) is skipped (no
+/// contribution, a zero weight gradient); ids outside [0, E] are errors.
+KERNMAP_API at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                    const at::Tensor& gate_up_proj, const at::Tensor& down_proj);
 
 /// The reference kernels (transformers eager math composed of ATen ops).
 namespace reference {
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& cos, const at::Tensor& sin,
-                                                int64_t unsqueeze_dim = 1);
-at::Tensor silu(const at::Tensor& x);
-at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
-at::Tensor swiglu(const at::Tensor& gate_up);
-at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs);
-at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                   const at::Tensor& gate_up_proj, const at::Tensor& down_proj);
+KERNMAP_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+KERNMAP_API std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                            const at::Tensor& weight, double eps);
+KERNMAP_API std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& cos, const at::Tensor& sin,
+                                                            int64_t unsqueeze_dim = 1);
+KERNMAP_API at::Tensor silu(const at::Tensor& x);
+KERNMAP_API at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
+KERNMAP_API at::Tensor swiglu(const at::Tensor& gate_up);
+KERNMAP_API at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs);
+KERNMAP_API at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids,
+                               const at::Tensor& topk_weights, const at::Tensor& gate_up_proj,
+                               const at::Tensor& down_proj);
 }  // namespace reference
 
 }  // namespace kernmap

@@ -32,6 +32,7 @@
 #include <stdint.h>
 
 #include "kernmap/c_api.h"
+#include "kernmap/export.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -75,12 +76,12 @@ typedef int (*kernmap_plugin_register_fn)(const kernmap_plugin_host* host, char*
                                           size_t error_capacity);
 #define KERNMAP_PLUGIN_REGISTER_SYMBOL "kernmap_plugin_register"
 
-/* Marks the plugin's entry points for export: KERNMAP_PLUGIN_EXPORT uint32_t
- * kernmap_plugin_abi_version(void). */
+/* Marks the plugin's entry points for export (KERNMAP_API, kernmap/export.h), also from a plugin built with
+ * -fvisibility=hidden: KERNMAP_PLUGIN_EXPORT uint32_t kernmap_plugin_abi_version(void). */
 #ifdef __cplusplus
-#define KERNMAP_PLUGIN_EXPORT extern "C" __attribute__((visibility("default")))
+#define KERNMAP_PLUGIN_EXPORT extern "C" KERNMAP_API
 #else
-#define KERNMAP_PLUGIN_EXPORT __attribute__((visibility("default")))
+#define KERNMAP_PLUGIN_EXPORT KERNMAP_API
 #endif
 
 #ifdef __cplusplus

@@ -20,10 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "kernmap/export.h"
+
 namespace kernmap {
 
 /// What this process offers to a plugin variant.
-struct ProcessInfo {
+struct KERNMAP_API ProcessInfo {
   std::string torch;  ///< major.minor of the torch kernmap was built against, "2.15"
   bool cxx11_abi = true;
   std::string arch;                             ///< uname -m
@@ -33,10 +35,10 @@ struct ProcessInfo {
 
 enum class PackageState { kLoaded, kSkipped, kRefused };
 /// "loaded", "skipped", "refused".
-std::string to_string(PackageState state);
+KERNMAP_API std::string to_string(PackageState state);
 
 /// One attempt to load one package folder.
-struct PackageReport {
+struct KERNMAP_API PackageReport {
   std::string repository;  ///< the repository folder as given
   std::string folder;      ///< the package folder's name in the repository
   std::string name;        ///< the manifest's name ("" when the manifest could not be read)
@@ -52,13 +54,13 @@ struct PackageReport {
   std::vector<std::string> defaults;  ///< what became of each (layer, device) default it brought
 };
 
-struct RepositoryReport {
+struct KERNMAP_API RepositoryReport {
   std::string path;
   bool has_lock = false;
   std::string error;  ///< "" unless the repository could not be read (missing folder, malformed lock)
 };
 
-struct LoadReport {
+struct KERNMAP_API LoadReport {
   ProcessInfo process;
   std::vector<RepositoryReport> repositories;
   std::vector<PackageReport> packages;
@@ -68,7 +70,7 @@ struct LoadReport {
   size_t refused() const;
 };
 
-struct LoadOptions {
+struct KERNMAP_API LoadOptions {
   std::vector<std::string> paths;  ///< repositories to search (after KERNMAP_PATH when use_env_path)
   bool use_env_path = false;       ///< also search KERNMAP_PATH
   /// Toolkit versions of this process (e.g. {"cuda", "12.8"}), added to those KERNMAP_TOOLKITS names.
@@ -77,7 +79,7 @@ struct LoadOptions {
 };
 
 /// Thrown by load_plugins with strict=true; carries the report.
-class PluginError : public std::runtime_error {
+class KERNMAP_API PluginError : public std::runtime_error {
  public:
   PluginError(const std::string& message, LoadReport report)
       : std::runtime_error(message), report_(std::move(report)) {}
@@ -90,17 +92,17 @@ class PluginError : public std::runtime_error {
 /// Loads the packages of the given repositories. A package already loaded (same name, same library file) is a
 /// no-op reported as loaded with reason "already loaded". Throws only with strict=true (PluginError), or
 /// std::invalid_argument for a malformed KERNMAP_TOOLKITS.
-LoadReport load_plugins(const LoadOptions& options);
+KERNMAP_API LoadReport load_plugins(const LoadOptions& options);
 /// load_plugins with use_env_path = true and no other path.
-LoadReport load_plugins_from_env();
+KERNMAP_API LoadReport load_plugins_from_env();
 /// Every attempt of this process so far (repeated no-op loads are not repeated here).
-LoadReport plugin_report();
+KERNMAP_API LoadReport plugin_report();
 /// The process facts variants are matched against (KERNMAP_TOOLKITS included).
-ProcessInfo process_info();
+KERNMAP_API ProcessInfo process_info();
 
 /// Writes dir/kernmap.lock pinning every package of the repository dir (name -> version + the sha256 of each
 /// variant's library). Every library is hashed and must match its manifest; on any problem nothing is written
 /// and std::invalid_argument lists every problem. Returns the lock's text.
-std::string write_lock(const std::string& dir);
+KERNMAP_API std::string write_lock(const std::string& dir);
 
 }  // namespace kernmap

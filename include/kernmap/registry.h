@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "kernmap/export.h"
+
 namespace kernmap {
 
 /// Execution mode flags (the `kernels` library's Mode). kFallback is only a mapping key: "use for any mode
@@ -38,18 +40,18 @@ constexpr bool has_flag(Mode m, Mode flag) {
 }
 
 /// "inference", "training", "inference+compile", "training+compile", "fallback".
-std::string to_string(Mode mode);
+KERNMAP_API std::string to_string(Mode mode);
 /// Inverse of to_string; throws std::invalid_argument naming the value and the accepted spellings.
-Mode parse_mode(const std::string& text);
+KERNMAP_API Mode parse_mode(const std::string& text);
 
 /// What a caller asks a kernel to take. Empty fields mean "not known yet" and are not checked.
-struct KernelInputs {
+struct KERNMAP_API KernelInputs {
   std::string dtype;  ///< torch dtype name: "float32", "bfloat16", "float16", "float64"
   std::vector<std::vector<int64_t>> shapes;  ///< input shapes, in the op's argument order
 };
 
 /// What a kernel is and what it supports; data, read by resolution (no per-kernel conditionals elsewhere).
-struct KernelDescriptor {
+struct KERNMAP_API KernelDescriptor {
   std::string name;                  ///< "provider/name", e.g. "kernmap/rms_norm"
   std::string layer;                 ///< layer it implements, e.g. "RMSNorm"
   std::vector<std::string> devices;  ///< torch device type names; "*" means any device
@@ -69,16 +71,16 @@ struct KernelDescriptor {
 /// Registers a kernel. Throws std::invalid_argument when the name is malformed (not "provider/name"), the
 /// layer is empty, a kernel of that name exists already, or (for a "reference/..." kernel) the layer has a
 /// reference kernel already. Kernels are never unregistered.
-void register_kernel(KernelDescriptor descriptor);
+KERNMAP_API void register_kernel(KernelDescriptor descriptor);
 /// The kernel of that name, or nullptr. The pointer stays valid for the life of the process.
-const KernelDescriptor* find_kernel(const std::string& name);
+KERNMAP_API const KernelDescriptor* find_kernel(const std::string& name);
 /// All registered kernels, sorted by name.
-std::vector<const KernelDescriptor*> registered_kernels();
+KERNMAP_API std::vector<const KernelDescriptor*> registered_kernels();
 /// The reference kernel of a layer (the one whose provider is "reference"), or nullptr for an unknown layer.
-const KernelDescriptor* reference_kernel(const std::string& layer);
+KERNMAP_API const KernelDescriptor* reference_kernel(const std::string& layer);
 /// Every layer, sorted by name: the layers that have a reference kernel. The one list of layers that
 /// kernelize, the trainer's --kernels, ablate's rows and `kernmap kernels` read.
-std::vector<std::string> registered_layers();
+KERNMAP_API std::vector<std::string> registered_layers();
 
 /// layer -> device -> mode -> kernel name.
 using Mapping = std::map<std::string, std::map<std::string, std::map<Mode, std::string>>>;
@@ -86,7 +88,7 @@ using Mapping = std::map<std::string, std::map<std::string, std::map<Mode, std::
 /// A kernel of a LayerRegistrar: its descriptor (`layer` may be left empty: the record's layer is used) and
 /// the devices where it is the built-in default, for every mode it qualifies for (the training modes need
 /// has_backward, the +compile modes compile_safe).
-struct KernelRecord {
+struct KERNMAP_API KernelRecord {
   KernelDescriptor descriptor;
   std::vector<std::string> default_on;
 };
@@ -95,7 +97,7 @@ struct KernelRecord {
 /// file holding their TORCH_LIBRARY_IMPL blocks): the layer's reference kernel and its other kernels with the
 /// devices each is the default on, all registered when the library loads. Throws (at load) as
 /// register_kernel and register_default_mapping do, so a malformed record fails every test at once.
-class LayerRegistrar {
+class KERNMAP_API LayerRegistrar {
  public:
   LayerRegistrar(const std::string& layer, KernelDescriptor reference,
                  std::vector<KernelRecord> kernels = {});
@@ -103,18 +105,18 @@ class LayerRegistrar {
 
 /// Adds user registrations (merged per (layer, device): a new entry for a pair replaces the old one). Throws
 /// std::invalid_argument naming the first unknown layer or kernel, or a kernel registered for another layer.
-void register_mapping(const Mapping& mapping);
+KERNMAP_API void register_mapping(const Mapping& mapping);
 /// Removes every user registration (defaults and scopes stay).
-void clear_user_mappings();
+KERNMAP_API void clear_user_mappings();
 /// Sets the built-in defaults for (layer, device) pairs; called once by the built-in kernel registration.
 /// Validated like register_mapping, except that a kernel not registered (yet) is accepted: resolution then
 /// falls back with "kernel X is not registered".
-void register_default_mapping(const Mapping& mapping);
+KERNMAP_API void register_default_mapping(const Mapping& mapping);
 
 /// RAII scoped override, visible only on the creating thread until destruction. Scopes nest; with
 /// inherit=false the levels below (outer scopes, user registrations, defaults) are hidden. The constructor
 /// validates the mapping as register_mapping does and throws std::invalid_argument the same way.
-class ScopedMapping {
+class KERNMAP_API ScopedMapping {
  public:
   explicit ScopedMapping(Mapping mapping, bool inherit = true);
   ~ScopedMapping();
@@ -123,7 +125,7 @@ class ScopedMapping {
 };
 
 /// The outcome of resolution.
-struct Decision {
+struct KERNMAP_API Decision {
   std::string layer;
   std::string device;
   Mode mode = Mode::kInference;
@@ -135,10 +137,10 @@ struct Decision {
 
 /// Resolves a layer on a device in a mode. Throws std::invalid_argument for an unknown layer or a mode that
 /// is not a request (kFallback, or kCompile alone).
-Decision resolve(const std::string& layer, const std::string& device, Mode mode,
-                 const KernelInputs& inputs = {});
+KERNMAP_API Decision resolve(const std::string& layer, const std::string& device, Mode mode,
+                             const KernelInputs& inputs = {});
 
 /// The mapping resolution sees on this thread, all levels merged, for display.
-Mapping effective_mapping();
+KERNMAP_API Mapping effective_mapping();
 
 }  // namespace kernmap

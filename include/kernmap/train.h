@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <iosfwd>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -15,31 +16,32 @@
 #include <utility>
 #include <vector>
 
+#include "kernmap/export.h"
 #include "kernmap/models.h"
 
 namespace kernmap::train {
 
 /// One supervised example: the loss covers response_ids only.
-struct Example {
+struct KERNMAP_API Example {
   std::vector<int64_t> prompt_ids;
   std::vector<int64_t> response_ids;
 };
 
 /// A data line that could not be used: its 1-based line number and what is wrong with it.
-struct DataIssue {
+struct KERNMAP_API DataIssue {
   int64_t line = 0;
   std::string problem;
 };
 
 /// Examples in file order, and every line that was skipped (with skip_bad_lines).
-struct Dataset {
+struct KERNMAP_API Dataset {
   std::string source;  ///< the file, or "synthetic(...)"
   std::vector<Example> examples;
   std::vector<DataIssue> skipped;
 };
 
 /// Data that cannot be used: the message lists every malformed line with its number.
-class DataError : public std::runtime_error {
+class KERNMAP_API DataError : public std::runtime_error {
  public:
   DataError(const std::string& what, std::vector<DataIssue> issues)
       : std::runtime_error(what), issues(std::move(issues)) {}
@@ -47,17 +49,23 @@ class DataError : public std::runtime_error {
 };
 
 /// Reads JSONL lines {"prompt_ids": [int...], "response_ids": [int...]} (other keys ignored; whitespace-only
-/// lines are not examples). A line is malformed when it is not a JSON object, lacks either key, has a
-/// non-integer or out-of-[0, vocab_size) id, an empty response, or fewer than 2 tokens in all. Malformed
-/// lines throw DataError (all of them listed) unless skip_bad_lines, which records them in Dataset::skipped.
-Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines);
+/// lines are not examples). A line is malformed when it is not one JSON object (a NUL byte anywhere in it
+/// included), lacks either key, has a non-integer or out-of-[0, vocab_size) id, an empty response, or fewer
+/// than 2 tokens in all. Malformed lines throw DataError (all of them listed) unless skip_bad_lines, which
+/// records them in Dataset::skipped. A read error (the file's, not the end of it) throws DataError naming the
+/// last line read and the error: data is never silently cut short.
+KERNMAP_API Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines);
+/// The same from a stream; `source` names it in messages and Dataset::source. The stream's exception mask is
+/// restored on return.
+KERNMAP_API Dataset read_jsonl(std::istream& in, const std::string& source, int64_t vocab_size, bool skip_bad_lines);
 
 /// A deterministic synthetic task (the same for a given seed on every machine): prompts of seq_len / 2 random
 /// tokens, responses that continue them by a fixed rule, so the loss falls as the model learns it.
-Dataset synthetic_dataset(int64_t vocab_size, int64_t num_examples, int64_t seq_len, uint64_t seed = 1234);
+KERNMAP_API Dataset synthetic_dataset(int64_t vocab_size, int64_t num_examples, int64_t seq_len,
+                                      uint64_t seed = 1234);
 
 /// input_ids [B, S] and labels [B, S] int64: the examples of a step, right-padded to the longest.
-struct Batch {
+struct KERNMAP_API Batch {
   at::Tensor input_ids;
   at::Tensor labels;   ///< the token on response positions, -100 on prompt and padding
   int64_t tokens = 0;  ///< non-padding tokens
@@ -66,10 +74,12 @@ struct Batch {
 /// The batch of step `step` (0-based): examples (step * batch_size + b) mod N for b < batch_size, each
 /// prompt + response, right-padded with pad_id (labels -100 there). With causal attention, right padding
 /// changes no logit of a real token, so a padded batch computes what its examples compute alone.
-Batch make_batch(const Dataset& data, int64_t step, int64_t batch_size, int64_t pad_id);
+KERNMAP_API Batch make_batch(const Dataset& data, int64_t step, int64_t batch_size, int64_t pad_id);
 
 /// torch.optim.AdamW hyper-parameters (its defaults, except weight_decay and lr as set by the trainer).
-struct AdamWOptions {
+/// AdamW's constructor refuses values torch would train nonsense with: lr and eps must be finite and > 0,
+/// beta1 and beta2 in [0, 1), weight_decay finite and >= 0.
+struct KERNMAP_API AdamWOptions {
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
@@ -81,8 +91,10 @@ struct AdamWOptions {
 /// decoupled decay p *= 1 - lr*wd; m.lerp_(g, 1-b1); v = v*b2 + (1-b2) g*g; p -= lr/bc1 * m /
 /// (sqrt(v)/sqrt(bc2)
 /// + eps). State is kept in each parameter's dtype.
-class AdamW {
+class KERNMAP_API AdamW {
  public:
+  /// Throws std::invalid_argument naming the option and its value for options outside their ranges (see
+  /// AdamWOptions).
   AdamW(std::vector<std::pair<std::string, at::Tensor>> params, AdamWOptions options);
   /// Sets every gradient to none (zero_grad(set_to_none=True)).
   void zero_grad();
@@ -91,8 +103,10 @@ class AdamW {
   int64_t steps() const { return step_; }
   /// State tensors by name ("exp_avg/<param>", "exp_avg_sq/<param>") for checkpoints.
   std::vector<std::pair<std::string, at::Tensor>> state() const;
-  /// Restores state() output and the step count; throws std::runtime_error naming a missing or mis-shaped
-  /// tensor.
+  /// Restores state() output and the step count. Throws CheckpointError naming the tensor and the problem,
+  /// and changes nothing, when a tensor is missing, unknown, of another dtype or shape than its parameter,
+  /// exp_avg holds a NaN or infinity, exp_avg_sq one or a negative value (it is a mean of squares), or the
+  /// step is outside [0, 2^53].
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t step);
 
  private:
@@ -104,10 +118,11 @@ class AdamW {
 
 /// torch.nn.utils.clip_grad_norm_(params, max_norm): the 2-norm of the per-tensor 2-norms of the gradients,
 /// then every gradient times min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping.
-double clip_grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params, double max_norm);
+KERNMAP_API double clip_grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                                  double max_norm);
 
 /// What one optimisation step did.
-struct StepLog {
+struct KERNMAP_API StepLog {
   int64_t step = 0;  ///< 1-based
   double loss = 0;
   double grad_norm = 0;
@@ -116,29 +131,53 @@ struct StepLog {
                            ///< processes on a shared machine disturb far less than the wall clock
   int64_t tokens = 0;
   double tokens_per_s = 0;
+  bool skipped = false;  ///< the loss or the gradient norm was not finite (TrainOptions::skip_non_finite):
+                         ///< the parameters and optimizer state were left as they were
 };
 
-struct TrainOptions {
+/// A step whose loss or gradient norm is NaN or infinite, when TrainOptions::skip_non_finite is off.
+class KERNMAP_API NonFiniteError : public std::runtime_error {
+ public:
+  NonFiniteError(const std::string& what, int64_t step) : std::runtime_error(what), step(step) {}
+  int64_t step;  ///< 1-based: the step that failed (the parameters are those after step - 1)
+};
+
+/// The Trainer's constructor refuses batch_size < 1 and max_grad_norm NaN or <= 0 (+inf: no clipping), and
+/// AdamW's the adam options it refuses, with std::invalid_argument naming the option and its value.
+struct KERNMAP_API TrainOptions {
   int64_t batch_size = 4;
   double max_grad_norm = 1.0;
   AdamWOptions adam;
+  /// false: a step whose loss or gradient norm is not finite throws NonFiniteError naming the step. true:
+  /// such a step updates nothing (its batch is used up, as with torch's GradScaler), is logged with
+  /// StepLog::skipped, and counted in Trainer::skipped_steps().
+  bool skip_non_finite = false;
 };
 
 /// The SFT step loop over a model and a dataset (held by reference: it must outlive the trainer).
-class Trainer {
+class KERNMAP_API Trainer {
  public:
   Trainer(std::shared_ptr<CausalLM> model, const Dataset& data, TrainOptions options);
-  /// forward, loss, backward, clip, update: one step on the next batch.
+  /// forward, loss, backward, clip, update: one step on the next batch. Throws NonFiniteError (nothing
+  /// updated) for a NaN or infinite loss or gradient norm, unless options.skip_non_finite.
   StepLog step();
-  /// Steps done (the next batch is make_batch(data, steps())).
+  /// Steps done, skipped ones included (the next batch is make_batch(data, steps())).
   int64_t steps() const { return step_; }
+  /// Steps skipped for a non-finite loss or gradient norm (TrainOptions::skip_non_finite), since
+  /// construction.
+  int64_t skipped_steps() const { return skipped_; }
   CausalLM& model() { return *model_; }
   /// Writes parameters, optimiser state and the step count to dir/checkpoint.safetensors atomically: into a
   /// temporary file that is flushed to disk, then renamed over the previous checkpoint, so an interruption at
   /// any moment leaves the previous checkpoint whole.
   void save_checkpoint(const std::string& dir) const;
-  /// Restores what save_checkpoint wrote; training then continues the uninterrupted run's sequence exactly.
-  void load_checkpoint(const std::string& dir);
+  /// Restores what save_checkpoint wrote and returns its step count (steps() from then on); training then
+  /// continues the uninterrupted run's sequence exactly. Throws CheckpointError naming the file, the tensor
+  /// and the problem, and changes nothing, when the file is not a checkpoint of this model: a tensor missing,
+  /// unknown, or of another dtype or shape than the model's (parameters and their optimizer state in the
+  /// parameter's dtype, trainer/step one int64), a step outside [0, 2^53], a NaN or infinite parameter, or
+  /// optimizer state AdamW::load_state refuses.
+  int64_t load_checkpoint(const std::string& dir);
 
  private:
   std::shared_ptr<CausalLM> model_;
@@ -147,22 +186,23 @@ class Trainer {
   std::vector<std::pair<std::string, at::Tensor>> params_;
   AdamW optimizer_;
   int64_t step_ = 0;
+  int64_t skipped_ = 0;
 };
 
 /// The layers a run kernelizes: a subset of registered_layers() ("RMSNorm", "SiluAndMul", "Experts", ...);
 /// the rest stay on their reference kernels.
 using LayerSet = std::set<std::string>;
 /// "all", "none" or a comma list of layer names; throws std::invalid_argument for an unknown name.
-LayerSet parse_kernels(const std::string& text);
+KERNMAP_API LayerSet parse_kernels(const std::string& text);
 /// Kernelizes the layers in `layers` for training on the model's device and binds every other kernel layer to
 /// its reference. Returns the kernelize report of the final binding.
-Report bind_kernels(CausalLM& model, const LayerSet& layers);
+KERNMAP_API Report bind_kernels(CausalLM& model, const LayerSet& layers);
 
 /// Called after each step of a run: (steps done, steps in all).
 using Progress = std::function<void(int64_t, int64_t)>;
 
 /// Original (all references) and kernelized runs of the same model, data and seed, step by step.
-struct AlignResult {
+struct KERNMAP_API AlignResult {
   std::vector<StepLog> original, kernelized;
   Report report;  ///< the kernelized run's binding
   double max_loss_rel = 0, max_grad_norm_rel = 0;
@@ -171,12 +211,12 @@ struct AlignResult {
   bool passed = false;
 };
 /// make_model() must return the same initial model each call.
-AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
-                  const TrainOptions& options, const LayerSet& layers, int64_t steps, double rtol,
-                  const Progress& progress = {});
+KERNMAP_API AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model,
+                              const Dataset& data, const TrainOptions& options, const LayerSet& layers,
+                              int64_t steps, double rtol, const Progress& progress = {});
 
 /// One row of the ablation table.
-struct AblationRow {
+struct KERNMAP_API AblationRow {
   std::string name;  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
   LayerSet layers;
   std::vector<double> seconds;      ///< measured steps (warm-up excluded), wall clock
@@ -191,8 +231,9 @@ struct AblationRow {
 /// Rows original, +each layer the model has (of `layers`), all; each row trains its own copy of the model on
 /// the same batches. Steps are interleaved (step s of every row before step s+1 of any, rows in a rotating
 /// order) so that machine drift hits all rows alike.
-std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
-                                const Dataset& data, const TrainOptions& options, const LayerSet& layers,
-                                int64_t warmup, int64_t steps, const Progress& progress = {});
+KERNMAP_API std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
+                                            const Dataset& data, const TrainOptions& options,
+                                            const LayerSet& layers, int64_t warmup, int64_t steps,
+                                            const Progress& progress = {});
 
 }  // namespace kernmap::train

@@ -6,7 +6,7 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-// Scalar math: y = round(x * sigmoid(x))
+// Scalar math: y = round(x / (1 + exp(-x)))
 template <bool Stream, class T>
 void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) {
   using A = Acc<T>;
@@ -16,11 +16,11 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
     T* yr = y + r * n;
     for (int64_t i = 0; i < nb; i += kBlock) {
       auto v = load<A>(xr + i);
-      store_out<Stream>(yr + i, v * sigmoid(v));
+      store_out<Stream>(yr + i, silu_of(v));
     }
     for (int64_t i = nb; i < n; ++i) {
       A v = to_acc<A>(xr[i]);
-      yr[i] = from_acc<T>(v * sigmoid_scalar(v));
+      yr[i] = from_acc<T>(silu_scalar(v));
     }
   }
 }
@@ -53,7 +53,7 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
   }
 }
 
-// Scalar math: s = round(silu(g)); y = round(s * u)
+// Scalar math: s = round(g / (1 + exp(-g))); y = round(s * u)
 template <bool Stream, class T>
 void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int64_t r0, int64_t r1,
                        int64_t n) {
@@ -65,16 +65,18 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
     T* yr = y + r * n;
     for (int64_t i = 0; i < nb; i += kBlock) {
       auto a = load<A>(gr + i);
-      store_out<Stream>(yr + i, round_block<T>(a * sigmoid(a)) * load<A>(ur + i));
+      store_out<Stream>(yr + i, round_block<T>(silu_of(a)) * load<A>(ur + i));
     }
     for (int64_t i = nb; i < n; ++i) {
       A a = to_acc<A>(gr[i]);
-      yr[i] = from_acc<T>(round_to<T>(a * sigmoid_scalar(a)) * to_acc<A>(ur[i]));
+      yr[i] = from_acc<T>(round_to<T>(silu_scalar(a)) * to_acc<A>(ur[i]));
     }
   }
 }
 
-// Scalar math: s = round(silu(g)); du = round(dy * s); dg = round(dsilu(g) * round(dy * u))
+// Scalar math: s = round(silu(g)); du = round(dy * s); dg = round(dsilu(g) * round(dy * u)). silu(g) is
+// g * sigmoid(g) here, sharing the backward's one division: within a rounding of the forward's g / (1 +
+// e^-g), with the same edge values (-inf * 0 is NaN, -1e30 * 0 is -0).
 template <bool Stream, class T>
 void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, const T* u, int64_t us, T* dg,
                            int64_t dgs, T* du, int64_t dus, int64_t r0, int64_t r1, int64_t n) {

@@ -368,36 +368,28 @@ inline VF madd(VF a, VF b, VF c) {
   return a * b + c;
 #endif
 }
-/// c - a * b, fused where the level has FMA.
-inline VF nmadd(VF a, VF b, VF c) {
-#if defined(__AVX512F__)
-  return _mm512_fnmadd_ps(a, b, c);
-#elif defined(__AVX2__)
-  return _mm256_fnmadd_ps(a, b, c);
-#else
-  return c - a * b;
-#endif
-}
-
-/// e^-x for a float block (sigmoid's only need; negating inside saves an instruction). -x = n ln2 + r with
-/// |r| <= ln2/2; e^r by a degree-5 minimax polynomial (relative error < 2e-7 for results above FLT_MIN;
-/// Horner, because the loops keep enough blocks in flight that instruction count, not latency, bounds them),
-/// times 2^n. x is clamped to [-88, 87] (e^88 stays finite,
-/// and infinities never reach the reduction, where inf - inf would make a NaN). A NaN x gives a finite
-/// value at some levels: every caller multiplies the result's use by x, which carries the NaN.
+/// e^-x for a float block (sigmoid's only need; negating inside saves an instruction), overflowing to +inf
+/// where e^-x exceeds FLT_MAX (x below -88.72), as eager's exp does: SiLU's x / (1 + e^-x) then gives eager's
+/// -0 for huge negative x and NaN for -inf. -x = n ln2 + r with |r| <= ln2/2; e^r by a degree-5 minimax
+/// polynomial (relative error < 2e-7 for results above FLT_MIN; Horner, because the loops keep enough blocks
+/// in flight that instruction count, not latency, bounds them), times 2^n. x is clamped first so that
+/// infinities never reach the reduction (inf - inf would make a NaN): past the clamp the result is +inf or
+/// below 2^-24, where 1 + e^-x is already exact. A NaN x gives a NaN or a finite value: every caller's result
+/// also takes x itself, which carries the NaN.
 inline VF exp_neg_block(VF x) {
   const float log2e = 1.44269504088896341f;
   const float ln2_hi = 0.693145751953125f;  // ln2 split into a part exact in float (times any n) and the rest
   const float ln2_lo = 1.428606765330187e-06f;
 #if defined(__AVX512F__)
-  // One instruction for both bounds: the smaller magnitude of x and 88, with x's sign. Results below
-  // FLT_MIN come out subnormal through scalef.
-  x = _mm512_range_ps(x, _mm512_set1_ps(88.0f), 0x02);
+  // One instruction for both bounds: the smaller magnitude of x and 104, with x's sign. scalef below takes
+  // any n: results past FLT_MAX become +inf, those below FLT_MIN subnormal (below 2^-149, zero).
+  x = _mm512_range_ps(x, _mm512_set1_ps(104.0f), 0x02);
   VF n = _mm512_roundscale_ps(x * -log2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-  // The integer scaling below needs normal results.
-  x = x < -88.0f ? VF{} - 88.0f : x;
-  x = x > 87.0f ? VF{} + 87.0f : x;
+  // The integer scaling below builds 2^(n-1), whose exponent field holds n - 1 in [-125, 127]: n <= 128 (x >=
+  // -89, e^89 being past FLT_MAX already) and n >= -124 (x <= 85, e^-85 being below 2^-24 already).
+  x = x < -89.0f ? VF{} - 89.0f : x;
+  x = x > 85.0f ? VF{} + 85.0f : x;
   // Adding 1.5 * 2^23 rounds to an integer, which then sits in the low mantissa bits of t.
   VF t = madd(x, VF{} - log2e, VF{} + 12582912.0f);
   VF n = t - 12582912.0f;
@@ -414,8 +406,9 @@ inline VF exp_neg_block(VF x) {
 #if defined(__AVX512F__)
   return _mm512_scalef_ps(p, n);
 #else
-  // t's bits are those of 1.5 * 2^23 plus n; shifted by 23 only n's bits survive, giving n as an exponent.
-  return p * (VF)(((VI)t + 127) << 23);
+  // t's bits are those of 1.5 * 2^23 plus n; shifted by 23 only n's bits survive, giving n - 1 as an
+  // exponent. The last factor 2 is a float multiply, so a result past FLT_MAX rounds to +inf.
+  return p * (VF)(((VI)t + 126) << 23) * 2.0f;
 #endif
 }
 inline VD exp_neg_block(VD x) {
@@ -427,26 +420,27 @@ inline float exp_neg_scalar(float x) {
   return exp_neg_block(v)[0];
 }
 
-/// 1 / d for a float block: the hardware reciprocal estimate refined by one Newton step (relative error about
-/// 2^-22), several times the throughput of a division.
-inline VF reciprocal(VF d) {
-#if defined(__AVX512F__)
-  VF r = _mm512_rcp14_ps(d);
-#elif defined(__AVX2__)
-  VF r = _mm256_rcp_ps(d);
-#else
-  VF r = _mm_rcp_ps(d);
-#endif
-  return madd(r, nmadd(d, r, VF{} + 1.0f), r);  // r + r (1 - d r)
+// SiLU and sigmoid with eager's arithmetic: true divisions, not a reciprocal estimate. Eager's edge values
+// come from the division itself: x / inf is a signed zero (silu(-1e30) = -0), -inf / inf is NaN, and 1 / (1 +
+// e^-x) is exactly 1 once e^-x < 2^-24, so silu'(x) = 1 for large x and NaN at +inf (inf * (1 - 1)). A
+// Newton-refined estimate gives NaN for 1 / inf and 1 - 2^-24 for 1 / 1 (then silu'(1e30) = 6e22).
+
+/// silu(x) = x / (1 + e^-x), for blocks and scalars.
+template <class V>
+inline V silu_of(V x) {
+  return x / (1 + exp_neg_block(x));
 }
-inline VD reciprocal(VD d) {
-  return 1.0 / d;
+inline float silu_scalar(float x) {
+  return x / (1.0f + exp_neg_scalar(x));
+}
+inline double silu_scalar(double x) {
+  return x / (1.0 + std::exp(-x));
 }
 
-/// sigmoid = 1 / (1 + e^-x), for blocks and scalars.
+/// sigmoid(x) = 1 / (1 + e^-x), for blocks and scalars.
 template <class V>
 inline V sigmoid(V x) {
-  return reciprocal(1 + exp_neg_block(x));
+  return 1 / (1 + exp_neg_block(x));
 }
 inline float sigmoid_scalar(float x) {
   return 1.0f / (1.0f + exp_neg_scalar(x));

@@ -126,9 +126,9 @@ MappingFile = str | os.PathLike
 
 
 def load_mapping_file(path: MappingFile) -> dict:
-    """Reads a mapping file (``.json``, or ``.toml`` in the subset docs/mapping.md describes), validates it against
-    the registry as it stands, and returns ``{layer: {device: {mode: kernel}}}``. The C++ parser does the work (one
-    parser for C++, Python and the CLI); a bad file raises KernmapError whose message starts with the location
+    """Reads a mapping file (``.json`` or ``.toml``, docs/mapping.md), validates it against the registry as it
+    stands, and returns ``{layer: {device: {mode: kernel}}}``. The C++ parser does the work (one parser for C++,
+    Python and the CLI); a bad file raises KernmapError whose message starts with the location
     (``FILE:LINE:COL: problem``, or ``FILE: /Layer/device/mode: problem`` for JSON entries)."""
     (text,) = _library.call("kernmap_load_mapping_file", os.fsencode(path), outputs=1)
     return json.loads(text)

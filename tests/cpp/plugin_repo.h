@@ -13,7 +13,7 @@
 
 #include "kernmap/plugin.h"
 #include "kernmap/plugins.h"
-#include "registry/sha256.h"
+#include "repository/sha256.h"
 
 namespace kernmap::testing {
 

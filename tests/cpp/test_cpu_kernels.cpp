@@ -9,10 +9,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "tests/cpp/level_fixture.h"
@@ -213,18 +217,79 @@ TEST_P(CpuKernels, LowPrecisionSiluMatchesEagerTorchBitForBit) {
   EXPECT_TRUE(nearly_bit_exact(kernmap::silu(g), at::silu(g)));
 }
 
-TEST_P(CpuKernels, SiluHandlesExtremeInputs) {
-  at::Tensor x =
-      at::tensor({-1e4, -100.0, -88.5, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.5, 100.0, 1e4}, at::kDouble)
-          .to(dtype());
-  EXPECT_TRUE(close(kernmap::silu(x), kernmap::reference::silu(x), tol(dtype())));
-  at::Tensor special =
-      at::tensor({std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()},
-                 at::kDouble)
-          .to(dtype());
-  at::Tensor s = kernmap::silu(special);
-  EXPECT_TRUE(std::isinf(s[0].item<double>()));
-  EXPECT_TRUE(std::isnan(s[1].item<double>()));
+// The smallest normal and the largest finite value of a floating dtype.
+std::pair<double, double> normal_range(at::ScalarType t) {
+  std::pair<double, double> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t, "normal_range", [&] {
+    out = {static_cast<double>(std::numeric_limits<scalar_t>::min()),
+           static_cast<double>(std::numeric_limits<scalar_t>::max())};
+  });
+  return out;
+}
+
+// Eager's value, element by element: NaN where eager gives NaN, the same infinity, a zero of the same sign
+// where eager gives a signed zero, and otherwise within rtol of eager's value (plus the dtype's smallest
+// normal number: the avx512bf16 level flushes bfloat16 subnormal results to zero, see vec.h).
+::testing::AssertionResult eager_values(const at::Tensor& got, const at::Tensor& want, const at::Tensor& x,
+                                        double rtol) {
+  const at::Tensor g = got.to(at::kDouble).contiguous().view(-1),
+                   w = want.to(at::kDouble).contiguous().view(-1);
+  const at::Tensor xs = x.to(at::kDouble).contiguous().view(-1);
+  const double tiny = normal_range(want.scalar_type()).first;
+  std::ostringstream wrong;
+  for (int64_t i = 0; i < w.numel(); ++i) {
+    const double a = g[i].item<double>(), b = w[i].item<double>();
+    const bool same = std::isnan(b)   ? std::isnan(a)
+                      : std::isinf(b) ? a == b
+                      : b == 0        ? a == 0 && std::signbit(a) == std::signbit(b)
+                                      : std::abs(a - b) <= rtol * std::abs(b) + tiny;
+    if (!same) wrong << "\n  x = " << xs[i].item<double>() << ": got " << a << ", eager " << b;
+  }
+  if (!wrong.str().empty()) return ::testing::AssertionFailure() << wrong.str();
+  return ::testing::AssertionSuccess();
+}
+
+// SiLU's non-finite and huge inputs, where the kernels' exp and reciprocal leave their usual range: eager
+// computes x / (1 + exp(-x)), so silu(-inf) is NaN, silu(-1e30) is -0 and silu'(+inf) is NaN. Each value sits
+// in several lane positions of full blocks and of the scalar tail.
+TEST_P(CpuKernels, SiluFamilyGivesEagerValuesOnNonFiniteAndHugeInputs) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto [smallest, max] = normal_range(dtype());
+  const double denormal = smallest / 8;
+  const std::vector<double> special = {-inf, inf,   std::nan(""), -1e30, 1e30, -1e4,     1e4,       -88.7,
+                                       88.7, -89,   89,           -0.0,  0.0,  denormal, -denormal, max,
+                                       -max, -87.5, 17.0,         -17.0, 104,  -104};
+  std::vector<double> values;
+  for (int shift = 0; shift < 3; ++shift)
+    for (size_t i = 0; i < special.size(); ++i) values.push_back(special[(i + shift * 7) % special.size()]);
+  const int64_t n = static_cast<int64_t>(values.size());
+  const at::Tensor x0 = at::tensor(values, at::kDouble).to(dtype()).view({1, n});
+  const at::Tensor u0 = (at::rand({1, n}, at::kDouble) + 0.5).to(dtype());
+  const at::Tensor dy = (at::rand({1, n}, at::kDouble) - 0.5).to(dtype());
+  const double rtol = tol(dtype()).rtol;
+  auto grad_of = [&](auto&& fn, std::vector<at::Tensor> inputs) {
+    for (at::Tensor& t : inputs) t = t.clone().requires_grad_(true);
+    const at::Tensor y = fn(inputs);
+    torch::autograd::backward({y}, {dy});
+    std::vector<at::Tensor> out = {y.detach()};
+    for (const at::Tensor& t : inputs) out.push_back(t.grad());
+    return out;
+  };
+  const auto silu = grad_of([](const auto& in) { return kernmap::silu(in[0]); }, {x0});
+  const auto eager_silu = grad_of([](const auto& in) { return at::silu(in[0]); }, {x0});
+  EXPECT_TRUE(eager_values(silu[0], eager_silu[0], x0, rtol)) << "silu forward";
+  EXPECT_TRUE(eager_values(silu[1], eager_silu[1], x0, rtol)) << "silu backward";
+
+  const auto mul = grad_of([](const auto& in) { return kernmap::silu_and_mul(in[0], in[1]); }, {x0, u0});
+  const auto eager_mul = grad_of([](const auto& in) { return at::silu(in[0]) * in[1]; }, {x0, u0});
+  for (size_t i = 0; i < mul.size(); ++i)
+    EXPECT_TRUE(eager_values(mul[i], eager_mul[i], x0, rtol)) << "silu_and_mul output " << i;
+
+  const at::Tensor packed = at::cat({x0, u0}, -1);
+  const auto sw = grad_of([](const auto& in) { return kernmap::swiglu(in[0]); }, {packed});
+  const auto eager_sw = grad_of([](const auto& in) { return kernmap::reference::swiglu(in[0]); }, {packed});
+  EXPECT_TRUE(eager_values(sw[0], eager_sw[0], x0, rtol)) << "swiglu forward";
+  EXPECT_TRUE(eager_values(sw[1], eager_sw[1], at::cat({x0, x0}, -1), rtol)) << "swiglu backward";
 }
 
 TEST_P(CpuKernels, GroupedMmBothLayoutsForwardBackwardMatchReference) {
@@ -508,6 +573,37 @@ TEST(CpuLevels, ThisMachineRunsAtLeastBaselineAndTheBestIsActiveByDefault) {
   EXPECT_EQ(levels.front(), Level::kBaseline);
   EXPECT_EQ(kernmap::cpu::parse_level("avx2"), Level::kAvx2);
   EXPECT_FALSE(kernmap::cpu::parse_level("sse9").has_value());
+}
+
+TEST(CpuLevels, ThePublicFunctionsNameAndSetLibkernmapsLevel) {
+  const std::vector<std::string> levels = kernmap::supported_cpu_levels();
+  std::vector<std::string> expected;
+  std::string runs;
+  for (Level l : kernmap::cpu::supported_levels()) {
+    expected.emplace_back(kernmap::cpu::level_name(l));
+    runs += (runs.empty() ? "" : ", ") + expected.back();
+  }
+  EXPECT_EQ(levels, expected);
+  const std::string previous = kernmap::cpu_level();
+  EXPECT_NE(std::find(levels.begin(), levels.end(), previous), levels.end()) << previous;
+  kernmap::set_cpu_level("baseline");
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");
+  const auto refusal = [](const std::string& level) -> std::string {
+    try {
+      kernmap::set_cpu_level(level);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(refusal("sse9"), "set_cpu_level: unknown level 'sse9' (this CPU runs: " + runs + ")");
+  if (levels.size() < 4) {  // a compiled level this CPU cannot run (none on a CPU with avx512bf16)
+    EXPECT_EQ(refusal("avx512bf16"),
+              "set_cpu_level: this CPU cannot run level 'avx512bf16' (this CPU runs: " + runs + ")");
+  }
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");  // a refused level changes nothing
+  kernmap::set_cpu_level(previous);
+  EXPECT_EQ(kernmap::cpu_level(), previous);
 }
 
 TEST(OpErrors, NameTheArgument) {

@@ -7,8 +7,8 @@
 #include <filesystem>
 #include <string>
 
-#include "registry/manifest.h"
-#include "registry/sha256.h"
+#include "repository/manifest.h"
+#include "repository/sha256.h"
 
 namespace kernmap {
 namespace {

@@ -1,6 +1,7 @@
-// Mapping files: JSON and the TOML subset parse to the same mapping, the mapping applies (user level and
-// ScopedMapping), every error gives its location and problem, the TOML subset refuses what it does not
-// support, and oversized or deeply nested input is refused cleanly. Real files in a temporary folder.
+// Mapping files: JSON and TOML parse to the same mapping, the mapping applies (user level and ScopedMapping),
+// every error gives its location and problem (TOML syntax errors are toml++'s, at its location), TOML values
+// outside the mapping's shape are named, and oversized or deeply nested input is refused cleanly. Real files
+// in a temporary folder.
 #include <unistd.h>
 
 #include <filesystem>
@@ -263,77 +264,177 @@ TEST_F(MappingFile, JsonSyntaxErrorsHaveLineAndColumn) {
             "d.json: /MfNorm/cpu: duplicate key 'cpu'");
 }
 
+// TOML syntax is toml++'s: its message after "invalid TOML: ", at the location it reports.
 TEST_F(MappingFile, TomlDuplicatesAreErrors) {
-  EXPECT_EQ(error_of("k.toml", "[MfNorm]\ncpu = \"mf/fast\"\ncpu = \"mf/slow\"\n"),
-            "k.toml:3:1: duplicate key MfNorm.cpu (first defined at line 2, column 1)");
+  EXPECT_EQ(
+      error_of("k.toml", "[MfNorm]\ncpu = \"mf/fast\"\ncpu = \"mf/slow\"\n"),
+      "k.toml:3:7: invalid TOML: Error while parsing key-value pair: cannot redefine existing string 'cpu'");
   EXPECT_EQ(error_of("t.toml", "[MfNorm.cpu]\n[MfAct]\n[MfNorm.cpu]\n"),
-            "t.toml:3:1: table [MfNorm.cpu] is already defined (at line 1, column 9)");
+            "t.toml:3:1: invalid TOML: Error while parsing table header: cannot redefine existing table "
+            "'MfNorm.cpu'");
   EXPECT_EQ(error_of("v.toml", "[MfNorm]\ncpu = \"mf/fast\"\n[MfNorm.cpu]\n"),
-            "v.toml:3:9: key MfNorm.cpu already has a value (at line 2, column 1), so it cannot be a table");
+            "v.toml:3:1: invalid TOML: Error while parsing table header: cannot redefine existing string "
+            "'MfNorm.cpu' as table");
   // A table defined by dotted keys cannot be reopened by a header; an inline table cannot be extended.
   EXPECT_EQ(error_of("dh.toml", "MfNorm.cpu.training = \"mf/fast\"\n[MfNorm.cpu]\n"),
-            "dh.toml:2:1: table [MfNorm.cpu] is already defined (at line 1, column 8)");
+            "dh.toml:2:1: invalid TOML: Error while parsing table header: cannot redefine existing table "
+            "'MfNorm.cpu'");
   EXPECT_EQ(error_of("it.toml", "MfNorm = { cpu = \"mf/fast\" }\n[MfNorm.cuda]\n"),
-            "it.toml:2:2: table MfNorm is an inline table (at line 1, column 10) and cannot be extended");
+            "it.toml:2:15: invalid TOML: Error while parsing table header: cannot insert 'MfNorm.cuda' into "
+            "existing inline table");
   EXPECT_EQ(
       error_of("id.toml", "MfNorm = { cpu = {} }\nMfNorm.cpu.training = \"mf/fast\"\n"),
-      "id.toml:2:1: table MfNorm is defined at line 1, column 10; keys cannot be added to it from here");
+      "id.toml:2:1: invalid TOML: Error while parsing key-value pair: cannot redefine existing table as "
+      "dotted key-value pair");
   EXPECT_EQ(
       error_of("hd.toml", "[MfNorm.cpu]\n[MfNorm]\ncpu.training = \"mf/fast\"\n"),
-      "hd.toml:3:1: table MfNorm.cpu is defined at line 1, column 9; keys cannot be added to it from here");
+      "hd.toml:3:1: invalid TOML: Error while parsing key-value pair: cannot redefine existing table as "
+      "dotted key-value pair");
   // An implicitly created table may be defined once by its own header.
   EXPECT_EQ(load_mapping_file(write("ok.toml", "[MfNorm.cpu]\ntraining = \"mf/fast\"\n[MfNorm]\n")).size(),
             1u);
 }
 
 TEST_F(MappingFile, TomlStringErrors) {
-  EXPECT_EQ(error_of("u.toml", "[MfNorm]\ncpu = \"mf/fast\n"),
-            "u.toml:2:7: unterminated string (a string must end with '\"' on the same line)");
-  EXPECT_EQ(error_of("ul.toml", "[MfNorm]\ncpu = 'mf/fast\n"),
-            "ul.toml:2:7: unterminated string (a literal string must end with \"'\" on the same line)");
+  EXPECT_EQ(
+      error_of("u.toml", "[MfNorm]\ncpu = \"mf/fast\n"),
+      "u.toml:2:15: invalid TOML: Error while parsing string: unescaped control characters other than TAB "
+      "(U+0009) are explicitly prohibited");
+  EXPECT_EQ(
+      error_of("ul.toml", "[MfNorm]\ncpu = 'mf/fast\n"),
+      "ul.toml:2:15: invalid TOML: Error while parsing literal string: control characters other than TAB "
+      "(U+0009) are explicitly prohibited");
   EXPECT_EQ(error_of("e.toml", "[MfNorm]\ncpu = \"mf\\qfast\"\n"),
-            "e.toml:2:10: invalid escape '\\q' (valid: \\b \\t \\n \\f \\r \\\" \\\\ \\uXXXX \\UXXXXXXXX)");
-  EXPECT_EQ(error_of("eu.toml", "[MfNorm]\ncpu = \"\\u12\"\n"),
-            "eu.toml:2:8: invalid escape: \\u needs 4 hexadecimal digits");
-  EXPECT_EQ(error_of("es.toml", "[MfNorm]\ncpu = \"\\uD800\"\n"),
-            "es.toml:2:8: invalid escape: U+D800 is not a Unicode scalar value");
-  EXPECT_EQ(error_of("c.toml", "[MfNorm]\ncpu = \"mf\x01\"\n"),
-            "c.toml:2:10: control character U+0001 in a string (control characters other than tab are not "
-            "allowed)");
+            "e.toml:2:11: invalid TOML: Error while parsing string: unknown escape sequence '\\q'");
+  EXPECT_EQ(
+      error_of("eu.toml", "[MfNorm]\ncpu = \"\\u12\"\n"),
+      "eu.toml:2:12: invalid TOML: Error while parsing unicode scalar sequence: expected hex digit, saw "
+      "'\"'");
+  EXPECT_EQ(
+      error_of("es.toml", "[MfNorm]\ncpu = \"\\uD800\"\n"),
+      "es.toml:2:14: invalid TOML: Error while parsing unicode scalar sequence: unicode surrogates (U+D800 "
+      "- U+DFFF) are explicitly prohibited");
+  EXPECT_EQ(
+      error_of("c.toml", "[MfNorm]\ncpu = \"mf\x01\"\n"),
+      "c.toml:2:10: invalid TOML: Error while parsing string: unescaped control characters other than TAB "
+      "(U+0009) are explicitly prohibited");
   EXPECT_EQ(error_of("utf.toml", "[MfNorm]\n# caf\xC3\xA9 \xFF\n"),
-            "utf.toml:2:8: the file is not valid UTF-8 (TOML files must be UTF-8)");
-  EXPECT_EQ(error_of("ml.toml", "[MfNorm]\ncpu = \"\"\"mf/fast\"\"\"\n"),
-            "ml.toml:2:7: multi-line strings (\"\"\") are not supported in mapping files");
+            "utf.toml:2:7: invalid TOML: Encountered invalid utf-8 sequence");
+  // Columns count characters: 'é' is one.
+  EXPECT_THAT(
+      error_of("col.toml", "[MfNorm]\ncpu = { \"\xC3\xA9\xC3\xA9\" = \"mf/fast\", x = \"mf/fast\" }\n"),
+      HasSubstr("\ncol.toml:2:27: unknown mode 'x' "));
+}
+
+// Everything TOML has parses (the TOML subset kernmap read before toml++ refused arrays, arrays of tables,
+// multi-line strings, floats, dates and non-decimal integers by name); the shape check then names what a
+// construct is where a kernel name or a table belongs.
+TEST_F(MappingFile, TomlValuesOutsideTheShapeAreNamed) {
+  EXPECT_EQ(
+      error_of("a.toml", "[MfNorm]\ncpu = [\"mf/fast\"]\n"),
+      "a.toml:2:7: device 'cpu' of layer 'MfNorm' must map to a kernel name (a string) or a table {mode: "
+      "kernel}, got an array");
+  EXPECT_EQ(
+      error_of("aot.toml", "[[MfNorm]]\n"),
+      "aot.toml:1:1: layer 'MfNorm' must map to a table of devices ({device: kernel} or {device: {mode: "
+      "kernel}}), got an array");
+  EXPECT_EQ(error_of("d.toml", "[MfNorm.cpu]\ntraining = 1979-05-27T07:32:00Z\n"),
+            "d.toml:2:12: mode 'training' of layer 'MfNorm' on device 'cpu' must map to a kernel name (a "
+            "string), got a date-time");
+  EXPECT_EQ(
+      error_of("dd.toml", "[MfNorm]\ncpu = 1979-05-27\n"),
+      "dd.toml:2:7: device 'cpu' of layer 'MfNorm' must map to a kernel name (a string) or a table {mode: "
+      "kernel}, got a date");
+  EXPECT_EQ(
+      error_of("tt.toml", "MfNorm = 07:32:00\n"),
+      "tt.toml:1:10: layer 'MfNorm' must map to a table of devices ({device: kernel} or {device: {mode: "
+      "kernel}}), got a time");
+  EXPECT_EQ(error_of("f.toml", "kernmap_mapping = 1.0\n"),
+            "f.toml:1:19: kernmap_mapping must be an integer (the format version, 1), got a float");
+  EXPECT_EQ(error_of("h.toml", "kernmap_mapping = 0x2\n"),
+            "h.toml:1:19: mapping file format version 2 is not supported (this kernmap reads version 1)");
+  // Multi-line strings (a line-ending backslash joins lines) and non-decimal integers are ordinary values.
+  EXPECT_EQ(load_mapping_file(write("ml.toml",
+                                    "kernmap_mapping = 0x1\n[MfNorm.cpu]\ntraining = \"\"\"mf/fast\"\"\"\n"
+                                    "inference = '''mf/slow'''\n[MfAct]\ncpu = \"\"\"mf/\\\n  act\"\"\"\n"
+                                    "cuda.\"training+compile\" = \"\"\"\nmf/act\"\"\"\n")),
+            kExpected);
 }
 
 TEST_F(MappingFile, TomlUnsupportedConstructsAreNamed) {
-  EXPECT_EQ(error_of("a.toml", "[MfNorm]\ncpu = [\"mf/fast\"]\n"),
-            "a.toml:2:7: arrays are not supported in mapping files (a value is a \"kernel\" string or a { "
-            "table })");
-  EXPECT_EQ(error_of("aot.toml", "[[MfNorm]]\n"),
-            "aot.toml:1:1: arrays of tables ([[...]]) are not supported in mapping files");
-  EXPECT_EQ(error_of("d.toml", "when = 1979-05-27T07:32:00Z\n"),
-            "d.toml:1:8: dates and times are not supported in mapping files (1979-05-27T07:32:00Z)");
-  EXPECT_EQ(error_of("f.toml", "x = 3.14\n"), "f.toml:1:5: floats are not supported in mapping files (3.14)");
-  EXPECT_EQ(error_of("h.toml", "x = 0xff\n"),
-            "h.toml:1:5: hexadecimal, octal and binary integers are not supported in mapping files (0xff)");
   EXPECT_EQ(error_of("b.toml", "[MfNorm]\ncpu = mf\n"),
-            "b.toml:2:7: expected a value, got the bare word 'mf' (strings must be in quotes: \"mf\")");
-  EXPECT_EQ(error_of("tc.toml", "MfNorm = { cpu = \"mf/fast\", }\n"),
-            "tc.toml:1:29: trailing comma in an inline table (TOML does not allow one)");
+            "b.toml:2:7: invalid TOML: Error while parsing value: could not determine value type");
+  EXPECT_EQ(
+      error_of("tc.toml", "MfNorm = { cpu = \"mf/fast\", }\n"),
+      "tc.toml:1:29: invalid TOML: Error while parsing inline table: expected key-value pair, saw closing "
+      "'}' (dangling comma)");
   EXPECT_EQ(error_of("nl.toml", "MfNorm = { cpu = \"mf/fast\",\n cuda = \"mf/fast\" }\n"),
-            "nl.toml:1:28: expected a key (letters, digits, '_', '-', or a quoted string), got end of line");
+            "nl.toml:1:28: invalid TOML: Error while parsing inline table: expected key or closing '}', saw "
+            "'\\n'");
   EXPECT_EQ(error_of("eq.toml", "[MfNorm]\ncpu \"mf/fast\"\n"),
-            "eq.toml:2:5: expected '=' after the key cpu, got '\"'");
+            "eq.toml:2:5: invalid TOML: Error while parsing key-value pair: expected '=', saw '\"'");
   EXPECT_EQ(error_of("hdr.toml", "[MfNorm\ncpu = \"mf/fast\"\n"),
-            "hdr.toml:1:8: expected ']' to close the table header, got end of line");
-  EXPECT_EQ(error_of("eol.toml", "[MfNorm]\ncpu = \"mf/fast\" \"x\"\n"),
-            "eol.toml:2:17: expected the end of the line after the value, got '\"'");
-  EXPECT_EQ(error_of("cr.toml", "[MfNorm]\rcpu = \"mf/fast\"\n"),
-            "cr.toml:1:9: carriage return without a line feed (lines end with LF or CRLF)");
+            "hdr.toml:1:8: invalid TOML: Error while parsing table header: expected ']', saw '\\n'");
+  EXPECT_EQ(
+      error_of("eol.toml", "[MfNorm]\ncpu = \"mf/fast\" \"x\"\n"),
+      "eol.toml:2:17: invalid TOML: Error while parsing key-value pair: expected a comment or whitespace, "
+      "saw '\"'");
+  EXPECT_EQ(
+      error_of("cr.toml", "[MfNorm]\rcpu = \"mf/fast\"\n"),
+      "cr.toml:1:10: invalid TOML: Error while parsing table header: expected '\\n' after '\\r', saw 'c'");
   EXPECT_EQ(error_of("nv.toml", "[MfNorm]\ncpu =\n"),
-            "nv.toml:2:6: expected a value (a \"string\", a 'string' or an "
-            "{ inline table }), got end of line");
+            "nv.toml:2:6: invalid TOML: Error while parsing key-value pair: expected value, saw '\\n'");
+  // A header whose key does not start like one: toml++ 3.3 reaches its key parser there with a broken
+  // precondition (see mapping_file/toml.cpp), and reports it. An array element that starts a line is no
+  // header.
+  EXPECT_EQ(
+      error_of("h3.toml", "[[[MfNorm]]]\n"),
+      "h3.toml:1:3: invalid TOML: Error while parsing key: expected bare key starting character or string "
+      "delimiter, saw '['");
+  EXPECT_EQ(
+      error_of("h4.toml", "kernmap_mapping = 1\n  [ =]\n"),
+      "h4.toml:2:5: invalid TOML: Error while parsing key: expected bare key starting character or string "
+      "delimiter, saw '='");
+  EXPECT_EQ(
+      error_of("h6.toml", "[[\n"),
+      "h6.toml:1:3: invalid TOML: Error while parsing key: expected bare key starting character or string "
+      "delimiter, saw '\\n'");
+  // Characters other than ASCII outside strings and comments are not TOML, and toml++ 3.3 would test them
+  // with an undefined whitespace classification, as it would the first after a backslash in a multi-line
+  // string.
+  EXPECT_EQ(
+      error_of("na.toml", "# caf\xC3\xA9\n[MfNorm]\ncpu\xC2\xA7 = \"mf/slow\"\n"),
+      "na.toml:3:4: invalid TOML: '\xC2\xA7' (U+00A7) outside strings and comments (keys and values other "
+      "than strings are ASCII)");
+  EXPECT_EQ(error_of("nb.toml", "MfNorm.cpu = 1\xFF\n"),
+            "nb.toml:1:15: invalid TOML: byte 0xFF outside strings and comments (keys and values other than "
+            "strings are ASCII)");
+  const std::string after_backslash =
+      " after a backslash in a multi-line string: kernmap's TOML reader (toml++ 3.3) cannot take it there "
+      "(write "
+      "it as a \\u escape)";
+  EXPECT_EQ(error_of("nc.toml", "[MfNorm]\ncpu = \"\"\"mf/\\\n   \xC2\xA7\"\"\"\n"),
+            "nc.toml:3:4: '\xC2\xA7' (U+00A7)" + after_backslash);
+  EXPECT_EQ(error_of("nd.toml", "[MfNorm]\ncpu = \"\"\"mf/\\\xC3\xA9\"\"\"\n"),
+            "nd.toml:2:14: '\xC3\xA9' (U+00E9)" + after_backslash);
+  EXPECT_THAT(error_of("ne.toml",
+                       "[MfNorm] # \xC3\xA9\ncpu = \"mf/\xC3\xA9\" # \xC3\xA9\ncuda = '''\\\n\xC3\xA9'''\n"),
+              StartsWith("ne.toml:2:7: unknown kernel 'mf/\xC3\xA9' for layer 'MfNorm' on device 'cpu' "));
+  // In a value, a quote glued to a word is part of the word for toml++ (it reads to the next blank): what
+  // follows is outside strings. In a key, a quote after a dot starts a quoted part.
+  EXPECT_EQ(
+      error_of("nf.toml", "MfNorm = 1979a.\"\"\"\xC3\xA9\"\"\"\n"),
+      "nf.toml:1:19: invalid TOML: '\xC3\xA9' (U+00E9) outside strings and comments (keys and values other "
+      "than strings are ASCII)");
+  EXPECT_THAT(error_of("ng.toml", "MfNorm.\"c\xC3\xA9\" = \"mf/fast\"\n"),
+              StartsWith("ng.toml:1:8: unknown device 'c\xC3\xA9' for layer 'MfNorm' ("));
+  EXPECT_EQ(error_of("nh.toml", "MfAct = [ \"\xC3\xA9\",\"\xC3\xA9\", {a.\"\xC3\xA9\" = 1} ]\n"),
+            "nh.toml:1:9: layer 'MfAct' must map to a table of devices ({device: kernel} or {device: {mode: "
+            "kernel}}), got an array");
+  EXPECT_EQ(
+      error_of("h7.toml", "MfNorm = [\n[ { cpu = \"mf/fast\" } ],\n]\n"),
+      "h7.toml:1:10: layer 'MfNorm' must map to a table of devices ({device: kernel} or {device: {mode: "
+      "kernel}}), got an array");
 }
 
 TEST_F(MappingFile, HugeAndDeepInputIsRefusedCleanly) {
@@ -344,14 +445,38 @@ TEST_F(MappingFile, HugeAndDeepInputIsRefusedCleanly) {
             "deep.json: /0/0/0/0/0/0/0/0/0/0/0/0/0/0/0/0: nested deeper than 16 levels");
   std::string deep_toml = "x = ";
   for (int i = 0; i < 100000; ++i) deep_toml += "{a = ";
-  EXPECT_EQ(error_of("deep.toml", deep_toml), "deep.toml:1:85: tables nested deeper than 16 levels");
+  EXPECT_EQ(
+      error_of("deep.toml", deep_toml),
+      "deep.toml:1:85: invalid TOML: Error while parsing value: exceeded maximum nested value depth of 16 "
+      "(TOML_MAX_NESTED_VALUES)");
+  // 17 tables deep (the root is the first): refused at the key of the 17th.
   std::string dotted = "x";
   for (int i = 0; i < 20; ++i) dotted += ".a";
-  EXPECT_EQ(error_of("dotted.toml", dotted + " = \"k\"\n"),
-            "dotted.toml:1:41: keys nested deeper than 16 levels");
+  EXPECT_EQ(error_of("dotted.toml", dotted + " = \"k\"\n"), "dotted.toml:1:31: nested deeper than 16 levels");
+  EXPECT_EQ(error_of("header.toml", std::string("[") + dotted + "]\n"),
+            "header.toml:1:32: nested deeper than 16 levels");
+  // A key of hundreds of thousands of parts would exhaust the stack inside toml++: refused before it parses.
+  std::string very_deep = "x";
+  for (int i = 0; i < 400000; ++i) very_deep += ".a";
+  const std::string dots_message =
+      "more than 64 dots outside strings and comments on one line (mapping files nest 16 levels at most)";
+  EXPECT_EQ(error_of("very_deep.toml", std::string("[MfNorm]\n") + very_deep + " = \"k\"\n"),
+            "very_deep.toml:2:130: " + dots_message);
+  EXPECT_EQ(error_of("very_deep_header.toml", std::string("# .\n[") + very_deep + "]\n"),
+            "very_deep_header.toml:2:131: " + dots_message);
+  // Dots in comments and strings (multi-line ones too, across lines) are not keys.
+  const std::string dots(1000, '.');
+  EXPECT_THAT(
+      error_of("dots.toml", std::string("# ") + dots + "\n[MfNorm.cpu]\ntraining = \"" + dots + "\" # " +
+                                dots + "\ninference = '''\n" + dots + "\n" + dots + "'''\n"),
+      StartsWith("dots.toml:3:12: unknown kernel '" + dots + "'"));
   std::string wide = "{\"MfNorm\": {";
   for (int i = 0; i < 70000; ++i) wide += (i ? ",\"" : "\"") + std::to_string(i) + "\":1";
   EXPECT_EQ(error_of("wide.json", wide + "}}"), "wide.json: /MfNorm: more than 65536 values in one file");
+  std::string wide_toml = "[MfNorm]\n";
+  for (int i = 100000; i < 170000; ++i) wide_toml.append("k").append(std::to_string(i)).append(" = 1\n");
+  EXPECT_EQ(error_of("wide.toml", wide_toml),
+            "wide.toml:65536:11: more than 65536 values in one file (the limit for mapping files)");
 }
 
 TEST_F(MappingFile, CApiLoadsAndRegistersFiles) {

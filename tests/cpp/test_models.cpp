@@ -155,6 +155,45 @@ TEST(Config, ErrorsNameTheKey) {
   EXPECT_NE(message(base + R"(, "rope_parameters": {"rope_type": "yarn"}})").find("rope_type 'yarn'"),
             std::string::npos);
   EXPECT_NE(message(base + R"(, "hidden_size": -1})").find("'hidden_size' = -1"), std::string::npos);
+  // nlohmann's parser takes a NUL byte for the end of the text: what follows one must not be ignored.
+  const std::string nul_then_more = base + "}" + std::string(1, '\0') + R"(, "hidden_size": -1})";
+  EXPECT_NE(
+      message(nul_then_more).find("not valid JSON: a NUL byte at offset " + std::to_string(base.size() + 1)),
+      std::string::npos)
+      << message(nul_then_more);
+}
+
+TEST(Config, ParameterCountIsWhatTheModelBuilds) {
+  for (const std::string& name : preset_names()) {
+    auto model = make_preset(name, at::TensorOptions().device(at::kMeta));
+    int64_t numel = 0;
+    for (const auto& p : model->parameters()) numel += p.numel();
+    EXPECT_EQ(model->config().parameter_count(), static_cast<double>(numel)) << name;
+  }
+}
+
+TEST(Config, AModelLargerThanPhysicalMemoryIsRefusedBeforeAllocating) {
+  // Every field is within its own cap; their product is a petabyte of parameters.
+  const std::string huge =
+      R"({"model_type": "qwen2", "vocab_size": 16777216, "hidden_size": 16777216, "intermediate_size": 16,
+          "num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 2})";
+  ASSERT_LT(huge.size(), 1024u);
+  const ModelConfig config = ModelConfig::from_json(huge);
+  std::string message = "no error";
+  try {
+    make_model(config);
+  } catch (const ConfigError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(
+      message.find("config.json: the model would have 5.63e+14 parameters, 2.0 PiB at 4 bytes each, more "
+                   "than this machine's "),
+      std::string::npos)
+      << message;
+  EXPECT_NE(message.find("of physical memory (vocab_size 16777216, hidden_size 16777216"), std::string::npos)
+      << message;
+  // The structure alone (kernmap plan) needs no memory.
+  EXPECT_NO_THROW(make_model(config, at::TensorOptions().device(at::kMeta)));
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 #include <string>
 #include <string_view>
 
-#include "registry/manifest.h"
+#include "repository/manifest.h"
 
 namespace {
 

@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "registry/mapping_file_format.h"
+#include "mapping_file/format.h"
 
 namespace {
 

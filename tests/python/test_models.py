@@ -239,6 +239,10 @@ MALFORMED = {
     "deep_nesting": (corrupt_nesting, "nested deeper than"),
     "duplicate_key": (corrupt_duplicate, "has the key 'model.norm.weight' twice"),
     "not_json": (lambda f: write_raw(f, None, read_raw(f)[1], b'{"a": [1, 2'), "header is not valid JSON"),
+    # nlohmann's parser stops at a NUL byte: the header's JSON followed by a NUL and more bytes.
+    "nul_after_json": (lambda f: write_raw(f, None, read_raw(f)[1],
+                                           json.dumps(read_raw(f)[0]).encode() + b"\0 garbage"),
+                       "header is not valid JSON: a NUL byte at offset"),
     "missing_tensor": (tensors_edit(lambda t: t.pop("model.norm.weight")), "missing tensor 'model.norm.weight'"),
     "wrong_shape_for_config": (tensors_edit(lambda t: t.update({"model.norm.weight": torch.ones(33)})),
                                "tensor 'model.norm.weight' has shape [33], but config.json gives [32]"),
@@ -269,6 +273,15 @@ def test_sharded_index_cannot_point_outside_the_folder(checkpoints, tmp_path):
     index_path.write_text(json.dumps(index))
     out = probe("load", tmp_path / "ckpt", check=False)
     assert out.returncode == 1 and "is not a .safetensors file name in the checkpoint folder" in out.stderr
+
+
+def test_sharded_index_with_bytes_after_a_nul_is_refused(checkpoints, tmp_path):
+    shutil.copytree(checkpoints["qwen3_moe_sharded"][1], tmp_path / "ckpt")
+    index_path = tmp_path / "ckpt" / "model.safetensors.index.json"
+    index_path.write_bytes(index_path.read_bytes() + b"\0{not json")
+    out = probe("load", tmp_path / "ckpt", check=False)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "model.safetensors.index.json: not valid JSON: a NUL byte at offset" in out.stderr
 
 
 def test_sharded_index_disagreeing_with_the_shards(checkpoints, tmp_path):

@@ -282,10 +282,6 @@ def test_experts_bad_input():
     E, k, T, H, I = 4, 2, 6, 8, 5
     ids, weights = routing(T, E, k)
     hidden, gu, dn = torch.randn(T, H), torch.randn(E, 2 * I, H), torch.randn(E, H, I)
-    bad_ids = ids.clone()
-    bad_ids[2, 1] = E
-    with pytest.raises(RuntimeError, match=r"topk_ids must be in \[0, 4\), got 4"):
-        ops.experts(hidden, bad_ids, weights, gu, dn)
     with pytest.raises(RuntimeError, match=r"down_proj must be \[E, H, I\] = \[4, 8, 5\]"):
         ops.experts(hidden, ids, weights, gu, torch.randn(E, H, I + 1))
     with pytest.raises(RuntimeError, match="topk_weights must have the shape of topk_ids"):
@@ -294,6 +290,85 @@ def test_experts_bad_input():
         ops.experts(hidden, ids.float(), weights, gu, dn)
     with pytest.raises(RuntimeError, match="gate_up_proj must have the dtype of hidden"):
         ops.experts(hidden, ids, weights, gu.double(), dn)
+
+
+def sentinel_routing(T, E, k):
+    """routing() with transformers' expert-parallel sentinel id E in some slots: token 1 has only sentinels,
+    tokens 0 and 3 one each. The sentinel slots' weights are NaN, and token 1's hidden row inf: eager reads
+    neither."""
+    ids, weights = routing(T, E, k)
+    for t, slot in [(0, 0), (1, 0), (1, 1), (3, k - 1)]:
+        ids[t, slot] = E
+        weights[t, slot] = float("nan")
+    return ids, weights
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["experts", "reference_experts"])
+def test_experts_skip_the_sentinel_id_like_transformers_eager(family, dtype, op):
+    # transformers' eager experts one-hot the ids over E + 1 classes and skip class E: a token routed to an
+    # expert of another rank contributes nothing, and its weight gets a zero gradient.
+    E, k, T, H, I = 7, 2, 9, 16, 8
+    cls, config_cls = (Qwen2MoeExperts, Qwen2MoeConfig) if family == "qwen2_moe" else (Qwen3MoeExperts, Qwen3MoeConfig)
+    module = make_experts(cls, config_cls, E, H, I, dtype)
+    hidden = torch.randn(T, H).to(dtype)
+    hidden[1] = float("inf")
+    ids, weights = sentinel_routing(T, E, k)
+    weights = weights.to(dtype)
+    h1, w1 = hidden.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    want = module(h1, ids, w1)
+    dy = torch.randn(want.shape).to(dtype)
+    want.backward(dy)
+    assert torch.isfinite(want).all() and torch.equal(want[1], torch.zeros(H, dtype=dtype))
+
+    h2, w2 = hidden.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    gu, dn = (module.gate_up_proj.detach().clone().requires_grad_(True),
+              module.down_proj.detach().clone().requires_grad_(True))
+    got = getattr(ops, op)(h2, ids, w2, gu, dn)
+    got.backward(dy)
+    scale = 1.0 if dtype == torch.float32 else 2.0
+    assert_close(got, want.detach(), dtype, scale)
+    assert_close(h2.grad, h1.grad, dtype, scale)
+    assert_close(w2.grad, w1.grad, dtype, scale)
+    assert_close(gu.grad, module.gate_up_proj.grad, dtype, scale)
+    assert_close(dn.grad, module.down_proj.grad, dtype, scale)
+    sentinel = ids == E
+    assert torch.equal(w2.grad[sentinel], torch.zeros(int(sentinel.sum()), dtype=dtype))
+
+
+def test_experts_sentinel_everywhere_and_opcheck():
+    E, k, T, H, I = 4, 2, 6, 8, 5
+    module = make_experts(Qwen2MoeExperts, Qwen2MoeConfig, E, H, I, torch.float32)
+    hidden, gu, dn = torch.randn(T, H), module.gate_up_proj.detach(), module.down_proj.detach()
+    ids, weights = torch.full((T, k), E), torch.rand(T, k)
+    assert torch.equal(module(hidden, ids, weights), torch.zeros(T, H))  # eager: no expert hit at all
+    y, grads = grads_of(ops.experts, [hidden, ids, weights, gu, dn])
+    assert torch.equal(y, torch.zeros(T, H)) and torch.equal(ops.reference_experts(hidden, ids, weights, gu, dn), y)
+    for g in grads:
+        assert g is None or torch.equal(g, torch.zeros_like(g))
+    ids, weights = sentinel_routing(T, E, k)
+    args = (torch.randn(T, H, requires_grad=True), ids, weights.nan_to_num(0.5).requires_grad_(True),
+            torch.randn(E, 2 * I, H, requires_grad=True), torch.randn(E, H, I, requires_grad=True))
+    torch.library.opcheck(ops.experts.default, args)
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 2**40])
+@pytest.mark.parametrize("op", ["experts", "reference_experts"])
+def test_experts_ids_outside_0_to_E_are_errors_like_transformers(bad, op):
+    E, k, T, H, I = 4, 2, 6, 8, 5
+    module = make_experts(Qwen2MoeExperts, Qwen2MoeConfig, E, H, I, torch.float32)
+    hidden = torch.randn(T, H)
+    ids, weights = routing(T, E, k)
+    ids[2, 1] = bad
+    with pytest.raises(RuntimeError):  # one_hot: "Class values must be non-negative" / "smaller than num_classes"
+        module(hidden, ids, weights)
+    for id_dtype in (torch.int64, torch.int32):
+        if id_dtype == torch.int32 and bad >= 2**31:
+            continue
+        with pytest.raises(RuntimeError, match=rf"topk_ids\[2, 1\] = {bad} is outside \[0, 4\]"):
+            getattr(ops, op)(hidden, ids.to(id_dtype), weights, module.gate_up_proj.detach(),
+                             module.down_proj.detach())
 
 
 def test_experts_backward_bad_saved_tensors():

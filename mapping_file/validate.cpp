@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "registry/mapping_file_format.h"
+#include "mapping_file/format.h"
 #include "registry/mapping_levels.h"
 
 namespace kernmap {

@@ -7,9 +7,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "capi/guarded.h"
 #include "kernmap/c_api.h"
 #include "kernmap/plugins.h"
-#include "registry/json_forms.h"
+#include "repository/json_forms.h"
 
 namespace kernmap {
 namespace {

@@ -1,12 +1,12 @@
-// Mapping files without the registry: reading the file, the JSON and TOML-subset parsers, and the document's
-// shape ({layer: {device: kernel | {mode: kernel}}}). No torch and no registry here: the libFuzzer target
-// (tests/fuzz/fuzz_mapping_file.cpp) links these sources alone. Checking names against the registry (layers,
-// devices, modes, kernels) happens when a file is applied (registry/mapping_file.cpp), because kernels from
-// plugins may be registered after a file is parsed.
+// Mapping files without the registry: reading the file, the JSON reader (json.cpp, nlohmann's SAX parser),
+// the TOML reader (toml.cpp, toml++), and the document's shape ({layer: {device: kernel | {mode: kernel}}}).
+// No torch and no registry here: the libFuzzer target (tests/fuzz/fuzz_mapping_file.cpp) links these sources
+// alone. Checking names against the registry (layers, devices, modes, kernels) happens when a file is applied
+// (mapping_file/validate.cpp), because kernels from plugins may be registered after a file is parsed.
 //
-// Inputs are untrusted: every limit below is checked before memory or stack grows with the input, and every
-// problem is a mapping_file::Error whose message starts with the location ("FILE:LINE:COL: " for TOML and for
-// JSON syntax errors, "FILE: /key/path: " for JSON structure errors).
+// Inputs are untrusted: every limit below is checked before the stack grows with the input, and every problem
+// is a mapping_file::Error whose message starts with the location ("FILE:LINE:COL: " for TOML and for JSON
+// syntax errors, "FILE: /key/path: " for JSON structure errors).
 #pragma once
 
 #include <cstddef>
@@ -44,12 +44,10 @@ struct Location {
 
 /// One value of a parsed document.
 struct Node {
-  enum class Kind { kTable, kString, kInteger, kFloat, kBoolean, kNull, kArray };
-  /// How a TOML table came to be, for TOML's rules on defining a table once (unused for JSON).
-  enum class Origin { kValue, kImplicit, kHeader, kDotted, kInline };
+  /// JSON's kinds and TOML's (dates and times are TOML's only; null is JSON's only).
+  enum class Kind { kTable, kString, kInteger, kFloat, kBoolean, kNull, kArray, kDate, kTime, kDateTime };
 
   Kind kind = Kind::kTable;
-  Origin origin = Origin::kValue;
   std::string text;   ///< a string's value; an integer in decimal
   Location key_at;    ///< where the key naming this value was written
   Location value_at;  ///< where the value (or the table header) was written
@@ -62,7 +60,8 @@ struct Node {
   Node* add(std::string key, std::unique_ptr<Node> value);
 };
 
-/// Parses the TOML subset of docs/mapping.md ("Mapping files"). Throws Error "NAME:LINE:COL: problem".
+/// Parses TOML 1.0 (toml++). Throws Error "NAME:LINE:COL: problem" for a syntax error and for input nested
+/// deeper than kMaxDepth or holding more than kMaxValues values.
 std::unique_ptr<Node> parse_toml(std::string_view text, const std::string& name);
 /// Parses JSON (RFC 8259; duplicate keys are an error). Throws Error with the line and column of a syntax
 /// error.
@@ -88,6 +87,9 @@ struct LayerEntry {
   Location at;
   std::vector<DeviceEntry> devices;
 };
+
+/// The keys as a JSON pointer ("/layer/device", '~' and '/' escaped); "(top level)" for none.
+std::string json_pointer(const std::vector<std::string>& keys);
 
 /// A mapping file after parsing and the shape check, names not yet checked against the registry.
 struct ParsedMapping {

@@ -1,5 +1,5 @@
 // manifest.json and kernmap.lock: strict parsing (unknown fields are errors) and path containment.
-#include "registry/manifest.h"
+#include "repository/manifest.h"
 
 #include <nlohmann/json.hpp>
 

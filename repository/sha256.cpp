@@ -1,5 +1,5 @@
 // SHA-256 per FIPS 180-4 §6.2: 64-byte blocks, big-endian words, 64 rounds per block.
-#include "registry/sha256.h"
+#include "repository/sha256.h"
 
 #include <algorithm>
 #include <cerrno>

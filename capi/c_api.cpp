@@ -3,20 +3,19 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <functional>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "capi/guarded.h"
 #include "kernmap/mapping_file.h"
 #include "kernmap/registry.h"
-#include "registry/json_forms.h"
+#include "repository/json_forms.h"
 
 namespace kernmap {
 namespace {
@@ -24,6 +23,9 @@ namespace {
 using nlohmann::json;
 
 using detail::copy_string;
+using detail::descriptor_to_json;
+using detail::field_or;
+using detail::mapping_to_json;
 
 template <typename Body>
 int guarded(const char* function, char** error, Body&& body) {
@@ -33,51 +35,6 @@ int guarded(const char* function, char** error, Body&& body) {
 json parse(const char* function, const char* what, const char* text) {
   if (text == nullptr) throw std::invalid_argument(std::string(function) + ": " + what + " is NULL");
   return json::parse(text);
-}
-
-template <typename T>
-T field_or(const json& object, const char* key, T fallback) {
-  const auto it = object.find(key);
-  return it == object.end() || it->is_null() ? fallback : it->get<T>();
-}
-
-json mapping_to_json(const Mapping& mapping) {
-  json out = json::object();
-  for (const auto& [layer, devices] : mapping) {
-    json& by_device = out[layer];
-    by_device = json::object();
-    for (const auto& [device, modes] : devices) {
-      json& by_mode = by_device[device];
-      by_mode = json::object();
-      for (const auto& [mode, kernel] : modes) by_mode[to_string(mode)] = kernel;
-    }
-  }
-  return out;
-}
-
-json descriptor_to_json(const KernelDescriptor& d) {
-  return json{{"name", d.name},
-              {"provider", d.provider()},
-              {"layer", d.layer},
-              {"devices", d.devices},
-              {"dtypes", d.dtypes},
-              {"has_backward", d.has_backward},
-              {"compile_safe", d.compile_safe},
-              {"deterministic", d.deterministic},
-              {"op", d.op},
-              {"description", d.description}};
-}
-
-// A foreign supports() check: the callback and its user data, called with the inputs as JSON.
-std::function<std::optional<std::string>(const KernelInputs&)> foreign_supports(kernmap_supports_fn fn,
-                                                                                void* user_data) {
-  return [fn, user_data](const KernelInputs& inputs) -> std::optional<std::string> {
-    const std::string text = json{{"dtype", inputs.dtype}, {"shapes", inputs.shapes}}.dump();
-    char reason[512] = {0};
-    if (fn(user_data, text.c_str(), reason, sizeof reason) != 0) return std::nullopt;
-    reason[sizeof reason - 1] = '\0';
-    return reason[0] != '\0' ? std::string(reason) : std::string("inputs not supported");
-  };
 }
 
 // Scopes live on the heap between push and pop; the handle is the address, checked against this table so that
@@ -94,55 +51,6 @@ ScopeTable& scope_table() {
 
 }  // namespace
 
-namespace detail {
-
-Mapping mapping_from_json(const char* function, const json& j) {
-  if (!j.is_object()) {
-    throw std::invalid_argument(std::string(function) +
-                                ": mapping must be a JSON object {layer: {device: {mode: kernel}}}, got " +
-                                j.dump());
-  }
-  Mapping mapping;
-  for (const auto& [layer, devices] : j.items()) {
-    if (!devices.is_object()) {
-      throw std::invalid_argument(std::string(function) + ": layer '" + layer +
-                                  "' must map to an object {device: {mode: kernel}}, got " + devices.dump());
-    }
-    auto& by_device = mapping[layer];
-    for (const auto& [device, modes] : devices.items()) {
-      if (!modes.is_object()) {
-        throw std::invalid_argument(std::string(function) + ": layer '" + layer + "' device '" + device +
-                                    "' must map to an object {mode: kernel}, got " + modes.dump());
-      }
-      auto& by_mode = by_device[device];
-      for (const auto& [mode, kernel] : modes.items()) by_mode[parse_mode(mode)] = kernel.get<std::string>();
-    }
-  }
-  return mapping;
-}
-
-KernelDescriptor descriptor_from_json(const json& j, kernmap_supports_fn supports, void* user_data) {
-  if (!j.is_object() || !j.contains("name") || !j.contains("layer")) {
-    throw std::invalid_argument(
-        "kernmap_register_kernel: descriptor must be an object with \"name\" and "
-        "\"layer\", got " +
-        j.dump());
-  }
-  KernelDescriptor d;
-  d.name = j.at("name").get<std::string>();
-  d.layer = j.at("layer").get<std::string>();
-  d.devices = field_or(j, "devices", std::vector<std::string>{"*"});
-  d.dtypes = field_or(j, "dtypes", std::vector<std::string>{"float32", "bfloat16", "float16", "float64"});
-  d.has_backward = field_or(j, "has_backward", false);
-  d.compile_safe = field_or(j, "compile_safe", false);
-  d.deterministic = field_or(j, "deterministic", true);
-  d.op = field_or(j, "op", std::string());
-  d.description = field_or(j, "description", std::string());
-  if (supports != nullptr) d.supports = foreign_supports(supports, user_data);
-  return d;
-}
-
-}  // namespace detail
 }  // namespace kernmap
 
 using namespace kernmap;  // NOLINT(google-build-using-namespace): the C entry points below only forward
@@ -265,34 +173,3 @@ int kernmap_effective_mapping(char** mapping_json, char** error) {
 }
 
 }  // extern "C"
-
-namespace kernmap::detail {
-
-char* copy_string(const std::string& text) {
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
-  return out;
-}
-
-int guarded_call(const char* function, char** error, const std::function<void()>& body,
-                 bool name_invalid_argument) {
-  const auto fail = [&](int status, const std::string& message) {
-    if (error != nullptr) *error = copy_string(message);
-    return status;
-  };
-  try {
-    body();
-    return KERNMAP_OK;
-  } catch (const std::invalid_argument& e) {
-    return fail(KERNMAP_INVALID_ARGUMENT,
-                name_invalid_argument ? std::string(function) + ": " + e.what() : e.what());
-  } catch (const nlohmann::json::exception& e) {
-    return fail(KERNMAP_INVALID_ARGUMENT, std::string(function) + ": invalid JSON argument: " + e.what());
-  } catch (const std::exception& e) {
-    return fail(KERNMAP_INTERNAL_ERROR, std::string(function) + ": " + e.what());
-  } catch (...) {
-    return fail(KERNMAP_INTERNAL_ERROR, std::string(function) + ": unknown error");
-  }
-}
-
-}  // namespace kernmap::detail

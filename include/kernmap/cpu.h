@@ -1,0 +1,25 @@
+// The instruction-set level of kernmap's CPU kernels (docs/ops.md, "CPU kernels"). Each kernel is compiled
+// once per level; the process runs one level at a time, chosen at the first kernel call as the best this CPU
+// runs, capped by KERNMAP_CPU_ISA. Levels are named "baseline", "avx2", "avx512" and "avx512bf16", each
+// including the instructions of the levels before it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kernmap/export.h"
+
+namespace kernmap {
+
+/// The name of the level the CPU kernels run at now (chosen first if no kernel has run yet).
+KERNMAP_API std::string cpu_level();
+
+/// The levels compiled into kernmap that this CPU can run, lowest first ("baseline" is always one).
+KERNMAP_API std::vector<std::string> supported_cpu_levels();
+
+/// Makes `level` the level of the whole process, every thread, from the next kernel call on (tests and
+/// benchmarks compare levels this way). Throws std::invalid_argument naming the level and the supported ones
+/// when it is not a level name or this CPU cannot run it.
+KERNMAP_API void set_cpu_level(const std::string& level);
+
+}  // namespace kernmap
