@@ -47,6 +47,8 @@ std::function<void()> fwd_bwd(std::vector<at::Tensor> inputs, at::Tensor grad,
 std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make);
 
 std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype, const ShapeFilter& wanted);
+std::vector<CaseBuilder> add_rms_norm_cases(const std::string& dtype, const ShapeFilter& wanted);
+std::vector<CaseBuilder> rotary_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> experts_cases(const std::string& dtype, const ShapeFilter& wanted);

@@ -128,10 +128,10 @@ int bench_command(const Options& o) {
   const ShapeFilter wanted = [&](const std::string& shape) { return std::regex_search(shape, shape_filter); };
   const bool progress = !o.json && isatty(STDERR_FILENO);
 
-  const std::vector<std::pair<std::string, CaseFactory>> families = {{"rms_norm", rms_norm_cases},
-                                                                     {"silu_and_mul", silu_and_mul_cases},
-                                                                     {"grouped_mm", grouped_mm_cases},
-                                                                     {"experts", experts_cases}};
+  const std::vector<std::pair<std::string, CaseFactory>> families = {
+      {"rms_norm", rms_norm_cases},     {"add_rms_norm", add_rms_norm_cases},
+      {"apply_rotary", rotary_cases},   {"silu_and_mul", silu_and_mul_cases},
+      {"grouped_mm", grouped_mm_cases}, {"experts", experts_cases}};
   const std::vector<std::string> dtypes = {"float32", "bfloat16"};
   std::vector<std::pair<const CaseFactory*, std::string>> planned;
   for (const auto& [op, factory] : families)

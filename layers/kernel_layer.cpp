@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <type_traits>
 
 #include "kernmap/layers.h"
 #include "kernmap/memory.h"
@@ -13,9 +15,10 @@ namespace {
 
 using Tensor = at::Tensor;
 
-// The op named by kernel.op, checked to take n_args arguments and return one tensor. The typed handle the
-// caller makes from it checks the C++ signature against the op's kernels as well.
-c10::OperatorHandle find_op(const KernelDescriptor& kernel, const std::string& layer, size_t n_args) {
+// The op named by kernel.op, checked to take n_args arguments and return n_returns tensors. The typed handle
+// the caller makes from it checks the C++ signature against the op's kernels as well.
+c10::OperatorHandle find_op(const KernelDescriptor& kernel, const std::string& layer, size_t n_args,
+                            size_t n_returns) {
   if (kernel.layer != layer)
     throw std::invalid_argument("cannot bind " + kernel.name + " (a " + kernel.layer + " kernel) to a " +
                                 layer + " layer");
@@ -30,18 +33,27 @@ c10::OperatorHandle find_op(const KernelDescriptor& kernel, const std::string& l
   const std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findSchema({name, overload});
   if (!op) throw std::invalid_argument(kernel.name + ": torch op " + kernel.op + " is not registered");
   const c10::FunctionSchema& schema = op->schema();
-  if (schema.arguments().size() != n_args || schema.returns().size() != 1)
+  if (schema.arguments().size() != n_args || schema.returns().size() != n_returns)
     throw std::invalid_argument(kernel.name + ": torch op " + kernel.op + " has the schema " +
                                 c10::toString(schema) + "; a " + layer + " kernel takes " +
-                                std::to_string(n_args) + " arguments and returns one tensor");
+                                std::to_string(n_args) + " arguments and returns " +
+                                std::to_string(n_returns) + (n_returns == 1 ? " tensor" : " tensors"));
   return *op;
 }
 
+// How many tensors an op of signature Sig returns: a tuple's size, else one.
+template <class R>
+struct ReturnCount : std::integral_constant<size_t, 1> {};
+template <class... T>
+struct ReturnCount<std::tuple<T...>> : std::integral_constant<size_t, sizeof...(T)> {};
+
 template <class Sig>
 c10::TypedOperatorHandle<Sig> typed_op(const std::string& op_name, const std::string& layer) {
+  using Traits = c10::guts::infer_function_traits_t<Sig>;
   const KernelDescriptor* kernel = find_kernel(op_name);
   try {
-    return find_op(*kernel, layer, c10::guts::infer_function_traits_t<Sig>::number_of_parameters)
+    return find_op(*kernel, layer, Traits::number_of_parameters,
+                   ReturnCount<typename Traits::return_type>::value)
         .template typed<Sig>();
   } catch (const c10::Error& e) {
     throw std::invalid_argument(kernel->name + ": torch op " + kernel->op +
@@ -71,7 +83,11 @@ void KernelLayer::bind(const KernelDescriptor& kernel) {
 }
 
 std::string KernelLayer::dtype_name(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+  return dtype_name(t.scalar_type());
+}
+
+std::string KernelLayer::dtype_name(at::ScalarType t) {
+  switch (t) {
     case at::kFloat:
       return "float32";
     case at::kBFloat16:
@@ -81,7 +97,7 @@ std::string KernelLayer::dtype_name(const at::Tensor& t) {
     case at::kDouble:
       return "float64";
     default:
-      return c10::toString(t.scalar_type());
+      return c10::toString(t);
   }
 }
 
@@ -110,6 +126,68 @@ Tensor RMSNorm::forward(const Tensor& x) {
 
 KernelInputs RMSNorm::kernel_inputs() const {
   return {dtype_name(weight_), {{weight_.size(0)}, {weight_.size(0)}}};
+}
+
+// ---- FusedAddRMSNorm ----
+
+using TensorPair = std::tuple<Tensor, Tensor>;
+
+struct FusedAddRMSNorm::Op {
+  c10::TypedOperatorHandle<TensorPair(const Tensor&, const Tensor&, const Tensor&, double)> handle;
+};
+
+FusedAddRMSNorm::FusedAddRMSNorm(int64_t hidden_size, double eps, const at::TensorOptions& options)
+    : KernelLayer("FusedAddRMSNorm"), eps_(eps) {
+  weight_ = register_parameter("weight", at::ones({hidden_size}, options));
+  bind_op(kernel().name);
+}
+
+FusedAddRMSNorm::~FusedAddRMSNorm() = default;
+
+void FusedAddRMSNorm::bind_op(const std::string& kernel_name) {
+  op_ = std::make_unique<Op>(Op{
+      typed_op<TensorPair(const Tensor&, const Tensor&, const Tensor&, double)>(kernel_name, layer_name())});
+}
+
+TensorPair FusedAddRMSNorm::forward(const Tensor& x, const Tensor& residual) {
+  return op_->handle.call(x, residual, weight_, eps_);
+}
+
+KernelInputs FusedAddRMSNorm::kernel_inputs() const {
+  const int64_t H = weight_.size(0);
+  return {dtype_name(weight_), {{1, H}, {1, H}, {H}}};
+}
+
+// ---- RotaryPosEmb ----
+
+using RotarySig = TensorPair(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
+
+struct RotaryPosEmb::Op {
+  c10::TypedOperatorHandle<RotarySig> handle;
+};
+
+RotaryPosEmb::RotaryPosEmb(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::ScalarType dtype)
+    : KernelLayer("rotary_pos_emb"),
+      heads_(num_heads),
+      kv_heads_(num_kv_heads),
+      head_dim_(head_dim),
+      dtype_(dtype) {
+  bind_op(kernel().name);
+}
+
+RotaryPosEmb::~RotaryPosEmb() = default;
+
+void RotaryPosEmb::bind_op(const std::string& kernel_name) {
+  op_ = std::make_unique<Op>(Op{typed_op<RotarySig>(kernel_name, layer_name())});
+}
+
+TensorPair RotaryPosEmb::forward(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
+  return op_->handle.call(q, k, cos, sin, /*unsqueeze_dim=*/1);
+}
+
+KernelInputs RotaryPosEmb::kernel_inputs() const {
+  return {dtype_name(dtype_),
+          {{1, heads_, 1, head_dim_}, {1, kv_heads_, 1, head_dim_}, {1, 1, head_dim_}, {1, 1, head_dim_}}};
 }
 
 // ---- Linear ----

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 
 #include "kernmap/models.h"
 
@@ -13,12 +14,6 @@ namespace kernmap {
 namespace {
 
 using Tensor = at::Tensor;
-
-// rotate_half: cat(-x2, x1) over the last dimension.
-Tensor rotate_half(const Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-}
 
 // Qwen2RotaryEmbedding (rope_type "default"): inv_freq = 1 / base^(arange(0, D, 2) / D) in fp32; for
 // positions p, emb = cat(p * inv_freq, p * inv_freq); cos and sin cast to the hidden states' dtype.
@@ -67,6 +62,11 @@ class Attention : public torch::nn::Module {
       q_norm = register_module("q_norm", std::make_shared<RMSNorm>(head_dim_, c.rms_norm_eps, o));
       k_norm = register_module("k_norm", std::make_shared<RMSNorm>(head_dim_, c.rms_norm_eps, o));
     }
+    // transformers' apply_rotary_pos_emb, a function its attention classes carry
+    // (@use_kernelized_func): a parameterless layer here.
+    rotary_pos_emb = register_module(
+        "rotary_pos_emb",
+        std::make_shared<RotaryPosEmb>(heads_, kv_heads_, head_dim_, c10::typeMetaToScalarType(o.dtype())));
   }
 
   // x [B, S, H]; cos, sin [1, S, D].
@@ -79,11 +79,7 @@ class Attention : public torch::nn::Module {
       q = q_norm->forward(q);
       k = k_norm->forward(k);
     }
-    q = q.transpose(1, 2);
-    k = k.transpose(1, 2);
-    const Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-    q = q * c + rotate_half(q) * s;
-    k = k * c + rotate_half(k) * s;
+    std::tie(q, k) = rotary_pos_emb->forward(q.transpose(1, 2), k.transpose(1, 2), cos, sin);
     // transformers' sdpa path without a padding mask: is_causal for more than one query, enable_gqa for
     // grouped heads, scale head_dim^-0.5.
     const Tensor out = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/S > 1,
@@ -94,6 +90,7 @@ class Attention : public torch::nn::Module {
 
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
   std::shared_ptr<RMSNorm> q_norm, k_norm;
+  std::shared_ptr<RotaryPosEmb> rotary_pos_emb;
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
@@ -148,6 +145,11 @@ class SparseMoeBlock : public torch::nn::Module {
   std::shared_ptr<Linear> shared_expert_gate;
 };
 
+// transformers' pre-norm decoder layer, `residual = h; h = residual + attn(input_layernorm(h)); residual = h;
+// h = residual + mlp(post_attention_layernorm(h))`, with each residual add fused into the norm after it
+// (FusedAddRMSNorm): forward takes the previous block's output and the residual stream (undefined before the
+// first layer, whose input norm is a plain RMSNorm) and returns this layer's MLP output and the residual
+// stream, which the next norm adds.
 class DecoderLayer : public torch::nn::Module {
  public:
   DecoderLayer(const ModelConfig& c, int64_t index, const at::TensorOptions& o) {
@@ -157,20 +159,34 @@ class DecoderLayer : public torch::nn::Module {
     } else {
       dense = register_module("mlp", std::make_shared<GatedMLP>(c.hidden_size, c.intermediate_size, o));
     }
-    input_layernorm =
-        register_module("input_layernorm", std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
-    post_attention_layernorm = register_module("post_attention_layernorm",
-                                               std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
+    if (index == 0) {
+      input_layernorm =
+          register_module("input_layernorm", std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
+    } else {
+      input_add_layernorm = register_module(
+          "input_layernorm", std::make_shared<FusedAddRMSNorm>(c.hidden_size, c.rms_norm_eps, o));
+    }
+    post_attention_layernorm = register_module(
+        "post_attention_layernorm", std::make_shared<FusedAddRMSNorm>(c.hidden_size, c.rms_norm_eps, o));
   }
-  Tensor forward(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-    Tensor h = x + self_attn->forward(input_layernorm->forward(x), cos, sin);
-    const Tensor n = post_attention_layernorm->forward(h);
-    return h + (moe ? moe->forward(n) : dense->forward(n));
+  std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& residual, const Tensor& cos,
+                                    const Tensor& sin) {
+    Tensor n, h;
+    if (residual.defined()) {
+      std::tie(n, h) = input_add_layernorm->forward(x, residual);
+    } else {
+      h = x;
+      n = input_layernorm->forward(x);
+    }
+    auto [n2, h2] = post_attention_layernorm->forward(self_attn->forward(n, cos, sin), h);
+    return {moe ? moe->forward(n2) : dense->forward(n2), h2};
   }
   std::shared_ptr<Attention> self_attn;
   std::shared_ptr<GatedMLP> dense;
   std::shared_ptr<SparseMoeBlock> moe;
-  std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
+  std::shared_ptr<RMSNorm> input_layernorm;              // layer 0
+  std::shared_ptr<FusedAddRMSNorm> input_add_layernorm;  // the other layers
+  std::shared_ptr<FusedAddRMSNorm> post_attention_layernorm;
 };
 
 }  // namespace
@@ -183,17 +199,19 @@ class DecoderModel : public torch::nn::Module {
         register_module("embed_tokens", std::make_shared<Embedding>(c.vocab_size, c.hidden_size, o));
     layers = register_module("layers", std::make_shared<Stack<DecoderLayer>>());
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push(std::make_shared<DecoderLayer>(c, i, o));
-    norm = register_module("norm", std::make_shared<RMSNorm>(c.hidden_size, c.rms_norm_eps, o));
+    norm = register_module("norm", std::make_shared<FusedAddRMSNorm>(c.hidden_size, c.rms_norm_eps, o));
   }
   Tensor forward(const Tensor& input_ids) {
     Tensor h = at::embedding(embed_tokens->weight, input_ids, config_.pad_token_id);
     const auto [cos, sin] = rotary(input_ids.size(1), config_.head_dim, config_.rope_theta, h);
-    for (const auto& layer : layers->items) h = layer->forward(h, cos, sin);
-    return norm->forward(h);
+    Tensor residual;
+    for (const auto& layer : layers->items) std::tie(h, residual) = layer->forward(h, residual, cos, sin);
+    // The last layer's residual add, fused into the final norm (configs have at least one layer).
+    return std::get<0>(norm->forward(h, residual));
   }
   std::shared_ptr<Embedding> embed_tokens;
   std::shared_ptr<Stack<DecoderLayer>> layers;
-  std::shared_ptr<RMSNorm> norm;
+  std::shared_ptr<FusedAddRMSNorm> norm;
 
  private:
   ModelConfig config_;

@@ -63,9 +63,9 @@ std::optional<std::string> needs_rank_at_least_1(const KernelInputs& inputs);
 int64_t row_grain(int64_t cols);
 
 /// Whether a call that reads and writes `bytes` in all should write its large outputs with streaming stores:
-/// true when they exceed the last-level cache (sysconf's L3 size, 32 MiB where it reports none), so the
-/// outputs could not stay cached for their consumer anyway, and streaming saves the read-for-ownership of
-/// each written line and keeps the inputs cached (docs/ops.md, "CPU kernels").
+/// true when they exceed the last-level cache (cpu0's L3 instance from sysfs, else sysconf's L3 size, else 32
+/// MiB), so the outputs could not stay cached for their consumer anyway, and streaming saves the
+/// read-for-ownership of each written line and keeps the inputs cached (docs/ops.md, "CPU kernels").
 bool stream_outputs(int64_t bytes);
 
 }  // namespace kernmap::ops

@@ -10,6 +10,24 @@ TORCH_LIBRARY(kernmap, m) {
   m.def(
       "rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd) -> (Tensor grad_x, Tensor "
       "grad_weight)");
+  // FusedAddRMSNorm: RMSNorm(x + residual) and the sum x + residual (the residual stream's next value).
+  // add_rms_norm_forward also returns rstd; its backward takes both outputs' gradients and returns the one
+  // gradient of x and residual.
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor normed, Tensor sum)");
+  m.def(
+      "add_rms_norm_forward(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor normed, Tensor "
+      "sum, Tensor rstd)");
+  m.def(
+      "add_rms_norm_backward(Tensor grad_normed, Tensor grad_sum, Tensor sum, Tensor weight, Tensor rstd) -> "
+      "(Tensor grad_x, Tensor grad_weight)");
+  // rotary_pos_emb: transformers' apply_rotary_pos_emb (rotate-half; cos and sin unsqueezed at unsqueeze_dim
+  // and broadcast to q and k). The backward is the transpose, from the output gradients, cos and sin.
+  m.def(
+      "apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> (Tensor q_embed, "
+      "Tensor k_embed)");
+  m.def(
+      "apply_rotary_backward(Tensor grad_q_embed, Tensor grad_k_embed, Tensor cos, Tensor sin, int "
+      "unsqueeze_dim) -> (Tensor grad_q, Tensor grad_k)");
   // SiLU, SiLU-and-mul (silu(gate) * up) and its packed form swiglu(gate_up), gate first.
   m.def("silu(Tensor x) -> Tensor");
   m.def("silu_backward(Tensor grad_y, Tensor x) -> Tensor");
@@ -41,6 +59,12 @@ TORCH_LIBRARY(kernmap, m) {
   m.def("advise_huge_pages(Tensor t) -> bool");
   // Reference kernels: the transformers eager math composed of ATen ops (any device, autograd through ATen).
   m.def("reference_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "reference_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor normed, Tensor "
+      "sum)");
+  m.def(
+      "reference_apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> (Tensor "
+      "q_embed, Tensor k_embed)");
   m.def("reference_silu(Tensor x) -> Tensor");
   m.def("reference_silu_and_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("reference_swiglu(Tensor gate_up) -> Tensor");

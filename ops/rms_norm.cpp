@@ -7,27 +7,25 @@
 
 #include <cmath>
 
+#include "ops/rms_norm.h"
+
 #include "kernels/cpu/isa.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
 
 namespace kernmap::ops {
-namespace {
 
-constexpr const char* kOp = "rms_norm";
-
-// Output dtype of RMSNorm: the promoted dtype of (weight, x) — the HF quirk that fp32 weight with bf16 x
-// yields fp32 is part of the contract.
-at::ScalarType check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_floating(kOp, "x", x);
-  check_floating(kOp, "weight", weight);
-  check_same_device(kOp, "x", x, "weight", weight);
-  TORCH_CHECK(x.dim() >= 1, "kernmap.rms_norm: x must have at least 1 dimension [..., H], got a 0-d tensor");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "kernmap.rms_norm: weight must have shape [",
+at::ScalarType check_rms_norm(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_floating(op, "x", x);
+  check_floating(op, "weight", weight);
+  check_same_device(op, "x", x, "weight", weight);
+  TORCH_CHECK(x.dim() >= 1, "kernmap.", op, ": x must have at least 1 dimension [..., H], got a 0-d tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "kernmap.", op, ": weight must have shape [",
               x.size(-1), "] (x's last dimension), got ", weight.sizes());
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "kernmap.rms_norm: eps must be finite and >= 0, got ", eps);
-  TORCH_CHECK(weight.scalar_type() != at::kDouble || x.scalar_type() == at::kDouble,
-              "kernmap.rms_norm: a float64 weight needs float64 x, got x ", x.scalar_type());
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "kernmap.", op, ": eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK(weight.scalar_type() != at::kDouble || x.scalar_type() == at::kDouble, "kernmap.", op,
+              ": a float64 weight needs float64 x, got x ", x.scalar_type());
+  // The HF quirk that fp32 weight with bf16 x yields fp32 is part of the contract.
   return at::promote_types(x.scalar_type(), weight.scalar_type());
 }
 
@@ -37,8 +35,75 @@ std::vector<int64_t> row_shape(const at::Tensor& x) {
   return s;
 }
 
+void check_rms_norm_backward(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
+                             const at::Tensor& weight, const at::Tensor& rstd) {
+  const at::ScalarType out_t = check_rms_norm(op, x, weight, 0.0);
+  check_same_shape(op, "x", x, "grad_y", grad_y);
+  TORCH_CHECK(grad_y.scalar_type() == out_t, "kernmap.", op, ": grad_y must have the output dtype ", out_t,
+              ", got ", grad_y.scalar_type());
+  check_same_device(op, "x", x, "grad_y", grad_y);
+  const at::ScalarType acc_t = acc_dtype(x.scalar_type());
+  TORCH_CHECK(rstd.scalar_type() == acc_t && rstd.sizes() == at::IntArrayRef(row_shape(x)), "kernmap.", op,
+              ": rstd must be ", acc_t, " of shape ", row_shape(x), ", got ", rstd.scalar_type(), " ",
+              rstd.sizes());
+}
+
+// dW is summed in a fixed number of row blocks, then across blocks in order: the result does not depend on
+// the thread count.
+constexpr int64_t kWeightGradBlocks = 32;
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const char* op, const at::Tensor& grad_y,
+                                                         const at::Tensor& grad_sum, const at::Tensor& x,
+                                                         const at::Tensor& weight, const at::Tensor& rstd) {
+  check_rms_norm_backward(op, grad_y, x, weight, rstd);
+  const bool add = grad_sum.defined();
+  if (add) {
+    check_same_shape(op, "x", x, "grad_sum", grad_sum);
+    check_same_dtype(op, "x", x, "grad_sum", grad_sum);
+    check_same_device(op, "x", x, "grad_sum", grad_sum);
+  }
+  const at::ScalarType out_t = at::promote_types(x.scalar_type(), weight.scalar_type());
+  const at::ScalarType acc_t = acc_dtype(x.scalar_type());
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  const Rows xr = as_rows(x);
+  const int64_t H = xr.cols;
+  if (xr.rows == 0) return {dx, at::zeros_like(weight)};
+  const Rows gr = as_rows(grad_y);
+  const Rows sr = add ? as_rows(grad_sum) : Rows{};
+  const at::Tensor w = weight.to(acc_t).contiguous();
+  const at::Tensor rs = rstd.contiguous();
+  const int64_t blocks = std::min(kWeightGradBlocks, xr.rows);
+  at::Tensor partial = at::zeros({blocks, H}, x.options().dtype(acc_t));
+  const auto& k = cpu::kernel_table();
+  const auto xt = cpu_dtype(x.scalar_type());
+  const auto yt = cpu_dtype(out_t);
+  const int64_t elem = partial.element_size();
+  const int64_t bytes = x.numel() * ((add ? 3 : 2) * x.element_size() + grad_y.element_size());
+  const bool stream = stream_outputs(bytes);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = xr.rows * b / blocks, r1 = xr.rows * (b + 1) / blocks;
+      char* dw = static_cast<char*>(partial.data_ptr()) + b * H * elem;
+      if (add) {
+        k.add_rms_norm_bwd(xt, yt, gr.data(), gr.stride, sr.data(), sr.stride, xr.data(), xr.stride,
+                           w.const_data_ptr(), rs.const_data_ptr(), dx.data_ptr(), dw, r0, r1, H, stream);
+      } else {
+        k.rms_norm_bwd(xt, yt, gr.data(), gr.stride, xr.data(), xr.stride, w.const_data_ptr(),
+                       rs.const_data_ptr(), dx.data_ptr(), dw, r0, r1, H, stream);
+      }
+    }
+  });
+  // Columns are independent; the block order within each column is fixed.
+  at::Tensor dw = partial.sum(0);
+  return {dx, dw.to(weight.scalar_type())};
+}
+
+namespace {
+
+constexpr const char* kOp = "rms_norm";
+
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::ScalarType out_t = check_rms_norm(x, weight, eps);
+  const at::ScalarType out_t = check_rms_norm(kOp, x, weight, eps);
   const at::ScalarType acc_t = acc_dtype(x.scalar_type());
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_t));
   at::Tensor rstd = at::empty(row_shape(x), x.options().dtype(acc_t));
@@ -56,58 +121,20 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& x, const at::Te
   return {y, rstd};
 }
 
-// dW is summed in a fixed number of row blocks, then across blocks in order: the result does not depend on
-// the thread count.
-constexpr int64_t kWeightGradBlocks = 32;
-
 std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_y, const at::Tensor& x,
                                                 const at::Tensor& weight, const at::Tensor& rstd) {
-  const at::ScalarType out_t = check_rms_norm(x, weight, 0.0);
-  const at::ScalarType acc_t = acc_dtype(x.scalar_type());
-  check_same_shape("rms_norm_backward", "x", x, "grad_y", grad_y);
-  TORCH_CHECK(grad_y.scalar_type() == out_t, "kernmap.rms_norm_backward: grad_y must have the output dtype ",
-              out_t, ", got ", grad_y.scalar_type());
-  check_same_device("rms_norm_backward", "x", x, "grad_y", grad_y);
-  TORCH_CHECK(rstd.scalar_type() == acc_t && rstd.sizes() == at::IntArrayRef(row_shape(x)),
-              "kernmap.rms_norm_backward: rstd must be ", acc_t, " of shape ", row_shape(x), ", got ",
-              rstd.scalar_type(), " ", rstd.sizes());
-  at::Tensor dx = at::empty(x.sizes(), x.options());
-  const Rows xr = as_rows(x);
-  const int64_t H = xr.cols;
-  if (xr.rows == 0) return {dx, at::zeros_like(weight)};
-  const Rows gr = as_rows(grad_y);
-  const at::Tensor w = weight.to(acc_t).contiguous();
-  const at::Tensor rs = rstd.contiguous();
-  const int64_t blocks = std::min(kWeightGradBlocks, xr.rows);
-  at::Tensor partial = at::zeros({blocks, H}, x.options().dtype(acc_t));
-  const auto& k = cpu::kernel_table();
-  const auto xt = cpu_dtype(x.scalar_type());
-  const auto yt = cpu_dtype(out_t);
-  const int64_t elem = partial.element_size();
-  const bool stream = stream_outputs(x.numel() * (2 * x.element_size() + grad_y.element_size()));
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = xr.rows * b / blocks, r1 = xr.rows * (b + 1) / blocks;
-      k.rms_norm_bwd(xt, yt, gr.data(), gr.stride, xr.data(), xr.stride, w.const_data_ptr(),
-                     rs.const_data_ptr(), dx.data_ptr(),
-                     static_cast<char*>(partial.data_ptr()) + b * H * elem, r0, r1, H, stream);
-    }
-  });
-  // Columns are independent; the block order within each column is fixed.
-  at::Tensor dw = partial.sum(0);
-  return {dx, dw.to(weight.scalar_type())};
+  return rms_norm_backward_cpu("rms_norm_backward", grad_y, at::Tensor(), x, weight, rstd);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::ScalarType out_t = check_rms_norm(x, weight, eps);
+  const at::ScalarType out_t = check_rms_norm(kOp, x, weight, eps);
   return {at::empty(x.sizes(), x.options().dtype(out_t)),
           at::empty(row_shape(x), x.options().dtype(acc_dtype(x.scalar_type())))};
 }
 
 std::tuple<at::Tensor, at::Tensor> backward_meta(const at::Tensor& grad_y, const at::Tensor& x,
                                                  const at::Tensor& weight, const at::Tensor& rstd) {
-  check_rms_norm(x, weight, 0.0);
-  check_same_shape("rms_norm_backward", "x", x, "grad_y", grad_y);
+  check_rms_norm_backward("rms_norm_backward", grad_y, x, weight, rstd);
   return {at::empty(x.sizes(), x.options()), at::empty(weight.sizes(), weight.options())};
 }
 

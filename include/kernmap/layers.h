@@ -13,6 +13,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernmap/export.h"
@@ -20,7 +21,8 @@
 
 namespace kernmap {
 
-/// A module with a layer name ("RMSNorm", "SiluAndMul", "Experts") and a forward that runs the bound kernel.
+/// A module with a layer name ("RMSNorm", "FusedAddRMSNorm", "rotary_pos_emb", "SiluAndMul", "Experts") and a
+/// forward that runs the bound kernel.
 class KERNMAP_API KernelLayer : public torch::nn::Module {
  public:
   ~KernelLayer() override;
@@ -40,8 +42,9 @@ class KERNMAP_API KernelLayer : public torch::nn::Module {
   /// Looks up the torch op of the registered kernel of that name, checks it against the layer's signature and
   /// stores it for forward; leaves the layer unchanged when it throws.
   virtual void bind_op(const std::string& kernel_name) = 0;
-  /// The dtype name of a tensor as the registry spells it ("float32").
+  /// The dtype name of a tensor, or of a dtype, as the registry spells it ("float32").
   static std::string dtype_name(const at::Tensor& t);
+  static std::string dtype_name(at::ScalarType t);
 
  private:
   std::string layer_name_;
@@ -63,6 +66,46 @@ class KERNMAP_API RMSNorm : public KernelLayer {
   struct Op;
   at::Tensor weight_;
   double eps_;
+  std::unique_ptr<Op> op_;
+};
+
+/// The residual add in front of a pre-norm fused with the norm (layer "FusedAddRMSNorm"): parameter `weight`
+/// [H], initialised to ones, as RMSNorm's. forward(x, residual) -> (rms_norm(x + residual), x + residual):
+/// the normed input of the next block and the residual stream's next value.
+class KERNMAP_API FusedAddRMSNorm : public KernelLayer {
+ public:
+  FusedAddRMSNorm(int64_t hidden_size, double eps, const at::TensorOptions& options = {});
+  ~FusedAddRMSNorm() override;
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& residual);
+  KernelInputs kernel_inputs() const override;
+  const at::Tensor& weight() const { return weight_; }
+  double eps() const { return eps_; }
+
+ private:
+  void bind_op(const std::string& kernel_name) override;
+  struct Op;
+  at::Tensor weight_;
+  double eps_;
+  std::unique_ptr<Op> op_;
+};
+
+/// The rotary embedding of an attention's queries and keys (layer "rotary_pos_emb", transformers'
+/// apply_rotary_pos_emb); no parameters. forward(q [B, heads, S, D], k [B, kv_heads, S, D], cos [B, S, D],
+/// sin) -> (q_embed, k_embed), cos and sin unsqueezed at dimension 1 (the heads).
+class KERNMAP_API RotaryPosEmb : public KernelLayer {
+ public:
+  /// dtype: what resolution is told (the attention's weights').
+  RotaryPosEmb(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::ScalarType dtype);
+  ~RotaryPosEmb() override;
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                             const at::Tensor& sin);
+  KernelInputs kernel_inputs() const override;
+
+ private:
+  void bind_op(const std::string& kernel_name) override;
+  struct Op;
+  int64_t heads_, kv_heads_, head_dim_;
+  at::ScalarType dtype_;
   std::unique_ptr<Op> op_;
 };
 

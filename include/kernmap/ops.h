@@ -4,6 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <tuple>
+
 #include "kernmap/export.h"
 
 namespace kernmap {
@@ -11,6 +14,18 @@ namespace kernmap {
 /// RMSNorm with the transformers eager math: weight * to(x.dtype)(x_fp32 * rsqrt(mean(x_fp32^2, -1) + eps)).
 /// x: [..., H] floating; weight: [H]. Output dtype: promote(x.dtype, weight.dtype).
 KERNMAP_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+/// The residual add in front of a pre-norm fused with the RMSNorm: returns (rms_norm(x + residual, weight,
+/// eps), x + residual), the sum rounded to x's dtype as eager's add rounds it. x, residual: [..., H], same
+/// shape and dtype.
+KERNMAP_API std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                            const at::Tensor& weight, double eps);
+/// transformers' apply_rotary_pos_emb: (q * c + rotate_half(q) * s, k * c + rotate_half(k) * s) with c, s =
+/// cos, sin unsqueezed at unsqueeze_dim; rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). q, k: [..., D], D
+/// even; c and s must broadcast to each. Each product and the sum are rounded to the output dtype as eager
+/// rounds them. Outputs keep q's and k's layouts.
+KERNMAP_API std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& cos, const at::Tensor& sin,
+                                                            int64_t unsqueeze_dim = 1);
 /// SiLU x * sigmoid(x), evaluated in fp32 (fp64 for fp64) and rounded once.
 KERNMAP_API at::Tensor silu(const at::Tensor& x);
 /// silu(gate) * up, as the gated MLP computes it. gate and up: same shape and dtype.
@@ -31,6 +46,11 @@ KERNMAP_API at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_
 /// The reference kernels (transformers eager math composed of ATen ops).
 namespace reference {
 KERNMAP_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+KERNMAP_API std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                            const at::Tensor& weight, double eps);
+KERNMAP_API std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& cos, const at::Tensor& sin,
+                                                            int64_t unsqueeze_dim = 1);
 KERNMAP_API at::Tensor silu(const at::Tensor& x);
 KERNMAP_API at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 KERNMAP_API at::Tensor swiglu(const at::Tensor& gate_up);

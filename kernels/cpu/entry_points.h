@@ -21,6 +21,24 @@
   X(rms_norm_bwd, void, (DType x_dtype, DType y_dtype, const void* dy, int64_t dy_stride, const void* x,        \
                          int64_t x_stride, const void* w, const void* rstd, void* dx, void* dw_acc,              \
                          int64_t row_begin, int64_t row_end, int64_t H, bool stream))                            \
+  /* Residual add + RMSNorm forward: s = round_x(x[r] + res[r]) is written to sum (contiguous [rows, H],      \
+     x_dtype), and y[r], rstd[r] are rms_norm_fwd's of s (the same bits as rms_norm_fwd on sum). */            \
+  X(add_rms_norm_fwd, void, (DType x_dtype, DType y_dtype, const void* x, int64_t x_stride, const void* res,   \
+                             int64_t res_stride, const void* w, void* y, void* sum, void* rstd,                \
+                             int64_t row_begin, int64_t row_end, int64_t H, double eps, bool stream))          \
+  /* Its backward, rms_norm_bwd on the saved sum s with the residual stream's gradient added: dx =             \
+     round_x(round_x(rms_norm dx) + d_sum[r]), the gradient of both x and res; dw_acc as rms_norm_bwd. */      \
+  X(add_rms_norm_bwd, void, (DType x_dtype, DType y_dtype, const void* dy, int64_t dy_stride,                   \
+                             const void* d_sum, int64_t d_sum_stride, const void* s, int64_t s_stride,          \
+                             const void* w, const void* rstd, void* dx, void* dw_acc, int64_t row_begin,        \
+                             int64_t row_end, int64_t H, bool stream))                                          \
+  /* Rotary embedding (transformers' rotate-half convention) over rows [row_begin, row_end) of the walk, with  \
+     h = D / 2 and each product and the sum rounded to the dtype as eager rounds them. Forward:              \
+     y[i] = x[i] cos[i] - x[i+h] sin[i], y[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h] (x * cos +                 \
+     rotate_half(x) * sin). backward: its transpose, x a gradient: y[i] = x[i] cos[i] + x[i+h] sin[i+h],     \
+     y[i+h] = x[i+h] cos[i+h] - x[i] sin[i]. */                                                              \
+  X(rotary, void, (DType dtype, bool backward, const RotaryRows& rows, int64_t row_begin, int64_t row_end,       \
+                   bool stream))                                                                                 \
   /* SiLU: y = x * sigmoid(x), evaluated in Acc, rounded once. y contiguous [rows, n]. */                        \
   X(silu_fwd, void, (DType dtype, const void* x, int64_t x_stride, void* y, int64_t row_begin, int64_t row_end, \
                      int64_t n, bool stream))                                                                    \

@@ -10,6 +10,23 @@ namespace kernmap::cpu {
 /// Element types the CPU kernels compute on.
 enum class DType : uint8_t { kFloat32, kBFloat16, kFloat16, kFloat64 };
 
+/// The rows of the rotary embedding's operands, walked in step: rows of D contiguous elements of x (q or k,
+/// or a gradient), cos, sin (read) and y (written). Row r of the walk has the multi-index of r over
+/// sizes[0..ndim) (the last index varying fastest); each tensor's row starts sum_i index_i * stride_i
+/// elements after its data pointer. A stride of 0 repeats a row (cos and sin broadcast over heads).
+struct RotaryRows {
+  static constexpr int kMaxDims = 6;
+  int ndim = 0;
+  int64_t D = 0;
+  int64_t sizes[kMaxDims] = {};
+  int64_t x_strides[kMaxDims] = {}, cos_strides[kMaxDims] = {}, sin_strides[kMaxDims] = {},
+          y_strides[kMaxDims] = {};
+  const void* x = nullptr;
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  void* y = nullptr;
+};
+
 // Every entry point of entry_points.h, declared in each level's namespace (kernmap::cpu::<level>).
 #define KERNMAP_CPU_DECLARE(name, ret, params) ret name params;
 namespace baseline {

@@ -1,76 +1,150 @@
-// RMSNorm forward and backward, compiled once per instruction-set level (KERNMAP_CPU_LEVEL names the level).
+// RMSNorm forward and backward, alone and fused with the residual add in front of it (one row math for both),
+// compiled once per instruction-set level (KERNMAP_CPU_LEVEL names the level).
 // Each pass reads a row from memory once; the second read of a row hits the cache (a row of H = 8192 fp32 is
 // 32 KiB).
+#include <vector>
+
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-// Scalar math:
-//   h = float(x); r = 1 / sqrt(sum(h^2) / H + eps); n = round_X(h * r); y = round_Y(w * n)
-template <bool Stream, class X, class Y>
-void fwd_rows(const X* x, int64_t xs, const Acc<X>* w, Y* y, Acc<X>* rstd, int64_t r0, int64_t r1, int64_t H,
-              double eps) {
+// The row a pass reads: x itself, or with Add (the fused residual add) round_X(x + res).
+template <bool Add, class X>
+struct Source {
+  const X* x;
+  const X* res;
+  Vec<Acc<X>> block(int64_t i) const {
+    if constexpr (Add) {
+      return round_block<X>(load<Acc<X>>(x + i) + load<Acc<X>>(res + i));
+    } else {
+      return load<Acc<X>>(x + i);
+    }
+  }
+  Acc<X> at(int64_t i) const {
+    if constexpr (Add) {
+      return round_to<X>(to_acc<Acc<X>>(x[i]) + to_acc<Acc<X>>(res[i]));
+    } else {
+      return to_acc<Acc<X>>(x[i]);
+    }
+  }
+};
+
+// The calling thread's row buffer in the accumulation type (a row of H = 8192 fp32 is 32 KiB: it stays in
+// the level-1 or level-2 cache).
+template <class A>
+A* row_scratch(int64_t n) {
+  thread_local std::vector<A> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X).
+template <bool Stream, class X, class S, class Y>
+void normalize_row(const S& src, const Acc<X>* w, Y* y, Acc<X> rs, int64_t H) {
+  const int64_t Hb = H - H % kBlock;
+  for (int64_t i = 0; i < Hb; i += kBlock) {
+    Vec<Acc<X>> n = round_block<X>(src.block(i) * rs);
+    store_out<Stream>(y + i, load<Acc<X>>(w + i) * n);
+  }
+  for (int64_t i = Hb; i < H; ++i) y[i] = from_acc<Y>(w[i] * round_to<X>(src.at(i) * rs));
+}
+
+// Scalar math (h = float(x), or with Add h = float(round_X(x + res)), written to sum):
+//   r = 1 / sqrt(sum(h^2) / H + eps); n = round_X(h * r); y = round_Y(w * n)
+// With Add, the bits of y and rstd are those of the plain pass over sum. Its second pass reads the sum row
+// from the thread's row buffer, where the first pass left it in the accumulation type: no second read of x
+// and res, no conversion, and the sum can be streamed out like y.
+template <bool Add, bool Stream, class X, class Y>
+void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>* w, Y* y, X* sum,
+              Acc<X>* rstd, int64_t r0, int64_t r1, int64_t H, double eps) {
   using A = Acc<X>;
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
+  A* hrow = Add ? row_scratch<A>(H) : nullptr;
   for (int64_t r = r0; r < r1; ++r) {
-    const X* xr = x + r * xs;
+    const Source<Add, X> src{x + r * xs, Add ? res + r * res_s : nullptr};
     Y* yr = y + r * H;
+    X* sr = Add ? sum + r * H : nullptr;
     V acc{};
     for (int64_t i = 0; i < Hb; i += kBlock) {
-      V h = load<A>(xr + i);
+      V h = src.block(i);
+      if constexpr (Add) {
+        store_out<Stream>(sr + i, h);
+        store(hrow + i, h);
+      }
       acc += h * h;
     }
     A ss = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
-      A v = to_acc<A>(xr[i]);
+      A v = src.at(i);
+      if constexpr (Add) {
+        sr[i] = from_acc<X>(v);
+        hrow[i] = v;
+      }
       ss += v * v;
     }
     const A rs = A(1) / std::sqrt(ss / static_cast<A>(H) + static_cast<A>(eps));
     rstd[r] = rs;
-    for (int64_t i = 0; i < Hb; i += kBlock) {
-      V n = round_block<X>(load<A>(xr + i) * rs);
-      store_out<Stream>(yr + i, load<A>(w + i) * n);
+    if constexpr (Add) {
+      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, w, yr, rs, H);
+    } else {
+      normalize_row<Stream, X>(src, w, yr, rs, H);
     }
-    for (int64_t i = Hb; i < H; ++i) yr[i] = from_acc<Y>(w[i] * round_to<X>(to_acc<A>(xr[i]) * rs));
   }
 }
 
 // Scalar math (g is the gradient reaching round_X(h * r), rounded to X as the eager autograd does):
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
-template <bool Stream, class X, class Y>
-void bwd_rows(const Y* dy, int64_t dys, const X* x, int64_t xs, const Acc<X>* w, const Acc<X>* rstd, X* dx,
-              Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
+// With Add (the fused residual add's backward), the residual stream's gradient joins as eager's autograd
+// accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's) and parks
+// g in the thread's row buffer for the second.
+template <bool Add, bool Stream, class X, class Y>
+void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
+              const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
   using A = Acc<X>;
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
+  A* grow = row_scratch<A>(H);
   for (int64_t r = r0; r < r1; ++r) {
     const Y* dyr = dy + r * dys;
+    const X* dsr = Add ? d_sum + r * d_sum_s : nullptr;
     const X* xr = x + r * xs;
     X* dxr = dx + r * H;
     const A rs = rstd[r];
     V acc{};
     for (int64_t i = 0; i < Hb; i += kBlock) {
-      V g = round_block<X>(load<A>(dyr + i) * load<A>(w + i));
-      acc += g * load<A>(xr + i);
-    }
-    A dot = lane_sum(acc);
-    for (int64_t i = Hb; i < H; ++i) dot += round_to<X>(to_acc<A>(dyr[i]) * w[i]) * to_acc<A>(xr[i]);
-    const A c = rs * rs * rs * dot / static_cast<A>(H);
-    for (int64_t i = 0; i < Hb; i += kBlock) {
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
       V g = round_block<X>(d * load<A>(w + i));
-      store_out<Stream>(dxr + i, rs * g - c * h);
+      acc += g * h;
       store(dw + i, load<A>(dw + i) + d * round_block<X>(h * rs));
+      store(grow + i, g);
     }
+    A dot = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
       A h = to_acc<A>(xr[i]);
       A d = to_acc<A>(dyr[i]);
-      dxr[i] = from_acc<X>(rs * round_to<X>(d * w[i]) - c * h);
+      A g = round_to<X>(d * w[i]);
+      dot += g * h;
       dw[i] += d * round_to<X>(h * rs);
+      grow[i] = g;
+    }
+    const A c = rs * rs * rs * dot / static_cast<A>(H);
+    for (int64_t i = 0; i < Hb; i += kBlock) {
+      V h = load<A>(xr + i);
+      V g = load<A>(grow + i);
+      if constexpr (Add) {
+        store_out<Stream>(dxr + i, round_block<X>(rs * g - c * h) + load<A>(dsr + i));
+      } else {
+        store_out<Stream>(dxr + i, rs * g - c * h);
+      }
+    }
+    for (int64_t i = Hb; i < H; ++i) {
+      A v = rs * grow[i] - c * to_acc<A>(xr[i]);
+      if constexpr (Add) v = round_to<X>(v) + to_acc<A>(dsr[i]);
+      dxr[i] = from_acc<X>(v);
     }
   }
 }
@@ -87,6 +161,17 @@ void dispatch_xy(DType xt, DType yt, F&& f) {
   });
 }
 
+// Runs rows(stream_tag) with streaming stores when asked for and every streamed output's rows are aligned.
+template <class F>
+void maybe_streamed(bool stream, bool aligned, F&& rows) {
+  if (stream && aligned) {
+    rows(std::true_type{});
+    stream_fence();
+  } else {
+    rows(std::false_type{});
+  }
+}
+
 }  // namespace
 
 void rms_norm_fwd(DType x_dtype, DType y_dtype, const void* x, int64_t x_stride, const void* w, void* y,
@@ -94,16 +179,27 @@ void rms_norm_fwd(DType x_dtype, DType y_dtype, const void* x, int64_t x_stride,
   dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
     using X = decltype(x_tag);
     using Y = decltype(y_tag);
-    auto run = [&](auto rows) {
-      rows(static_cast<const X*>(x), x_stride, static_cast<const Acc<X>*>(w), static_cast<Y*>(y),
-           static_cast<Acc<X>*>(rstd), row_begin, row_end, H, eps);
-    };
-    if (stream && can_stream(static_cast<Y*>(y), H)) {
-      run(fwd_rows<true, X, Y>);
-      stream_fence();
-    } else {
-      run(fwd_rows<false, X, Y>);
-    }
+    maybe_streamed(stream, can_stream(static_cast<Y*>(y), H), [&](auto streamed) {
+      fwd_rows<false, decltype(streamed)::value, X, Y>(
+          static_cast<const X*>(x), x_stride, nullptr, 0, static_cast<const Acc<X>*>(w), static_cast<Y*>(y),
+          nullptr, static_cast<Acc<X>*>(rstd), row_begin, row_end, H, eps);
+    });
+  });
+}
+
+void add_rms_norm_fwd(DType x_dtype, DType y_dtype, const void* x, int64_t x_stride, const void* res,
+                      int64_t res_stride, const void* w, void* y, void* sum, void* rstd, int64_t row_begin,
+                      int64_t row_end, int64_t H, double eps, bool stream) {
+  dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
+    using X = decltype(x_tag);
+    using Y = decltype(y_tag);
+    const bool aligned = can_stream(static_cast<Y*>(y), H) && can_stream(static_cast<X*>(sum), H);
+    maybe_streamed(stream, aligned, [&](auto streamed) {
+      fwd_rows<true, decltype(streamed)::value, X, Y>(
+          static_cast<const X*>(x), x_stride, static_cast<const X*>(res), res_stride,
+          static_cast<const Acc<X>*>(w), static_cast<Y*>(y), static_cast<X*>(sum), static_cast<Acc<X>*>(rstd),
+          row_begin, row_end, H, eps);
+    });
   });
 }
 
@@ -113,17 +209,27 @@ void rms_norm_bwd(DType x_dtype, DType y_dtype, const void* dy, int64_t dy_strid
   dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
     using X = decltype(x_tag);
     using Y = decltype(y_tag);
-    auto run = [&](auto rows) {
-      rows(static_cast<const Y*>(dy), dy_stride, static_cast<const X*>(x), x_stride,
-           static_cast<const Acc<X>*>(w), static_cast<const Acc<X>*>(rstd), static_cast<X*>(dx),
-           static_cast<Acc<X>*>(dw_acc), row_begin, row_end, H);
-    };
-    if (stream && can_stream(static_cast<X*>(dx), H)) {
-      run(bwd_rows<true, X, Y>);
-      stream_fence();
-    } else {
-      run(bwd_rows<false, X, Y>);
-    }
+    maybe_streamed(stream, can_stream(static_cast<X*>(dx), H), [&](auto streamed) {
+      bwd_rows<false, decltype(streamed)::value, X, Y>(
+          static_cast<const Y*>(dy), dy_stride, nullptr, 0, static_cast<const X*>(x), x_stride,
+          static_cast<const Acc<X>*>(w), static_cast<const Acc<X>*>(rstd), static_cast<X*>(dx),
+          static_cast<Acc<X>*>(dw_acc), row_begin, row_end, H);
+    });
+  });
+}
+
+void add_rms_norm_bwd(DType x_dtype, DType y_dtype, const void* dy, int64_t dy_stride, const void* d_sum,
+                      int64_t d_sum_stride, const void* s, int64_t s_stride, const void* w, const void* rstd,
+                      void* dx, void* dw_acc, int64_t row_begin, int64_t row_end, int64_t H, bool stream) {
+  dispatch_xy(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
+    using X = decltype(x_tag);
+    using Y = decltype(y_tag);
+    maybe_streamed(stream, can_stream(static_cast<X*>(dx), H), [&](auto streamed) {
+      bwd_rows<true, decltype(streamed)::value, X, Y>(
+          static_cast<const Y*>(dy), dy_stride, static_cast<const X*>(d_sum), d_sum_stride,
+          static_cast<const X*>(s), s_stride, static_cast<const Acc<X>*>(w), static_cast<const Acc<X>*>(rstd),
+          static_cast<X*>(dx), static_cast<Acc<X>*>(dw_acc), row_begin, row_end, H);
+    });
   });
 }
 

@@ -1,7 +1,8 @@
 """``python -m kernmap.bench [--json] [--filter REGEX] [--warmup N] [--reps N] [--tokens-scale X]``
 
 transformers' own modules against ``torch.compile`` of the same modules and against kernmap, side by side in one
-run: RMSNorm and the SiLU-and-mul product at Qwen2-7B sizes (H 3584, I 18944), the whole gated MLP (Qwen2MLP), and
+run: RMSNorm, the residual add + RMSNorm, the rotary embedding (28 query heads, 4 key/value heads, head_dim 128) and
+the SiLU-and-mul product at Qwen2-7B sizes (H 3584, I 18944), the whole gated MLP (Qwen2MLP), and
 the MoE experts layer at Qwen3-30B-A3B sizes (128 experts, top-8, H 2048, I 768) with transformers' ``eager``,
 ``grouped_mm`` and ``batched_mm`` implementations and ``kernmap``. Forward, and forward+backward. Token counts are
 sized for a 2-core machine with a few GB of free memory (``batched_mm`` gathers one weight copy per token-expert
@@ -95,6 +96,19 @@ def forward_backward(fn, inputs: list[torch.Tensor], grad: torch.Tensor, params=
     return run
 
 
+def forward_backward_pair(fn, inputs: list[torch.Tensor], grads: tuple[torch.Tensor, torch.Tensor],
+                          n_grad: int) -> Callable[[], None]:
+    """fwd+bwd of a two-output fn, gradients for both outputs; the first n_grad inputs require grad."""
+    inputs = [t.detach().clone().requires_grad_(i < n_grad) for i, t in enumerate(inputs)]
+
+    def run():
+        a, b = fn(*inputs)
+        torch.autograd.backward([a, b], list(grads))
+        for t in inputs[:n_grad]:
+            t.grad = None
+    return run
+
+
 def compiled(fn):
     return torch.compile(fn, dynamic=False)
 
@@ -123,6 +137,126 @@ def rms_norm_cases(dtype: torch.dtype, scale: float) -> list[Case]:
              [Impl(n, forward_backward(m, [x], dy, params=list(getattr(m, "_orig_mod", m).parameters())))
               for n, m in mods]),
     ]
+
+
+def add_rms_norm_cases(dtype: torch.dtype, scale: float) -> list[Case]:
+    """The residual add and the RMSNorm after it, as transformers' decoder layer computes them
+    (``hidden_states = residual + hidden_states; residual = hidden_states; norm(hidden_states)``), against the add
+    followed by kernmap's rms_norm and against kernmap's fused add_rms_norm."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    T, H = int(4096 * scale), 3584  # Qwen2-7B hidden size
+    norm = Qwen2RMSNorm(H, eps=1e-6).to(dtype)
+    w = norm.weight
+
+    def eager(x, residual):
+        h = residual + x
+        return norm(h), h
+
+    def separate(x, residual):
+        h = residual + x
+        return torch.ops.kernmap.rms_norm(h, w, 1e-6), h
+
+    def fused(x, residual):
+        return torch.ops.kernmap.add_rms_norm(x, residual, w, 1e-6)
+
+    impls = (("transformers", eager), ("torch.compile", compiled(eager)), ("add + kernmap rms_norm", separate),
+             ("kernmap", fused))
+    x, r, gy, gs = (torch.randn(T, H).to(dtype) for _ in range(4))
+    n = x.element_size() * T * H
+    shape = f"[{T}, {H}]"
+    return [
+        Case("FusedAddRMSNorm", "fwd", str(dtype)[6:], shape, 4 * n, [Impl(k, forward(f, x, r)) for k, f in impls]),
+        Case("FusedAddRMSNorm", "fwd+bwd", str(dtype)[6:], shape, 8 * n,
+             [Impl(k, forward_backward_pair(f, [x, r], (gy, gs), 2)) for k, f in impls]),
+    ]
+
+
+def rotary_cases(dtype: torch.dtype, scale: float) -> list[Case]:
+    """apply_rotary_pos_emb at Qwen2-7B attention sizes (28 query heads, 4 key/value heads, head_dim 128) in the
+    attention's layout: [B, heads, S, D] views of the [B, S, heads, D] projections; cos, sin [B, S, D]."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    S, Hq, Hkv, D = int(4096 * scale), 28, 4, 128
+    q = torch.randn(1, S, Hq, D).to(dtype).transpose(1, 2)
+    k = torch.randn(1, S, Hkv, D).to(dtype).transpose(1, 2)
+    cos, sin = torch.randn(1, S, D).to(dtype), torch.randn(1, S, D).to(dtype)
+    grads = (torch.randn(q.shape).to(dtype), torch.randn(k.shape).to(dtype))
+    impls = (("transformers", apply_rotary_pos_emb), ("torch.compile", compiled(apply_rotary_pos_emb)),
+             ("kernmap", torch.ops.kernmap.apply_rotary))
+    e = q.element_size()
+    pass_bytes = e * (2 * (q.numel() + k.numel()) + 2 * S * D)
+    shape = f"q [1, {Hq}, {S}, {D}] k [1, {Hkv}, {S}, {D}] (views)"
+    return [
+        Case("rotary_pos_emb", "fwd", str(dtype)[6:], shape, pass_bytes,
+             [Impl(n, forward(f, q, k, cos, sin)) for n, f in impls]),
+        # clone() keeps the views' strides: each implementation gets its own [B, heads, S, D] views of [B, S, heads, D].
+        Case("rotary_pos_emb", "fwd+bwd", str(dtype)[6:], shape, 2 * pass_bytes,
+             [Impl(n, forward_backward_pair(f, [q, k, cos, sin], grads, 2)) for n, f in impls]),
+    ]
+
+
+def _decoder_step(layer, fused: bool):
+    """One transformers pre-norm decoder layer between residual adds, taking the previous block's output and the
+    residual stream and returning this layer's MLP output and the stream: `h = residual + x; h2 = h +
+    attn(input_norm(h)); return mlp(post_norm(h2)), h2`. With fused, both adds go into the norms after them
+    (kernmap's add_rms_norm), as a model-level FusedAddRMSNorm binding would run every layer."""
+    add_norm = torch.ops.kernmap.add_rms_norm
+
+    def step(x, residual, position_embeddings):
+        inorm, pnorm = layer.input_layernorm, layer.post_attention_layernorm
+        if fused:
+            n, h = add_norm(x, residual, inorm.weight, inorm.variance_epsilon)
+        else:
+            h = residual + x
+            n = inorm(h)
+        a, _ = layer.self_attn(hidden_states=n, attention_mask=None, position_embeddings=position_embeddings)
+        if fused:
+            n2, h2 = add_norm(a, h, pnorm.weight, pnorm.variance_epsilon)
+        else:
+            h2 = h + a
+            n2 = pnorm(h2)
+        return layer.mlp(n2), h2
+    return step
+
+
+def decoder_layer_cases(dtype: torch.dtype, scale: float) -> list[Case]:
+    """What binding FusedAddRMSNorm into transformers' decoder layers would gain: a Qwen2 decoder layer at
+    Qwen2-0.5B and Qwen2-7B sizes (sdpa attention, every other kernmap kernel bound) with its two residual adds
+    separate and fused into the norms, forward+backward side by side."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    sizes = {"Qwen2-0.5B": (dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                                 num_key_value_heads=2), 2048),
+             "Qwen2-7B": (dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                               num_key_value_heads=4), 512)}
+    cases = []
+    for name, (dims, tokens) in sizes.items():
+        T = int(tokens * scale)
+        config = Qwen2Config(**dims, attn_implementation="sdpa")
+        layer = Qwen2DecoderLayer(config, 0).to(dtype)
+        kernmap.kernelize(layer, mode="training", device="cpu")
+        rotary = Qwen2RotaryEmbedding(config)
+        x, r = (torch.randn(1, T, config.hidden_size).to(dtype) for _ in range(2))
+        pe = rotary(x, torch.arange(T).unsqueeze(0))
+        grads = (torch.randn_like(x), torch.randn_like(x))
+        params = list(layer.parameters())
+
+        def impl(fused):
+            run = forward_backward_pair(lambda a, b, f=_decoder_step(layer, fused): f(a, b, pe), [x, r], grads, 2)
+
+            def clear():
+                run()
+                for p in params:
+                    p.grad = None
+            return clear
+
+        e = x.element_size()
+        cases.append(Case("DecoderLayer", "fwd+bwd", str(dtype)[6:], f"{name} [{T}, {config.hidden_size}]",
+                          3 * e * sum(p.numel() for p in params),
+                          [Impl("separate adds", impl(False)), Impl("fused add + norm", impl(True))]))
+    return cases
 
 
 def silu_and_mul_cases(dtype: torch.dtype, scale: float) -> list[Case]:
@@ -206,9 +340,12 @@ def experts_cases(dtype: torch.dtype, scale: float) -> list[Case]:
 
 FAMILIES = {
     "RMSNorm": (rms_norm_cases, (torch.float32, torch.bfloat16)),
+    "FusedAddRMSNorm": (add_rms_norm_cases, (torch.float32, torch.bfloat16)),
+    "rotary_pos_emb": (rotary_cases, (torch.float32, torch.bfloat16)),
     "SiluAndMul": (silu_and_mul_cases, (torch.float32, torch.bfloat16)),
     "GatedMLP": (gated_mlp_cases, (torch.bfloat16,)),
     "Experts": (experts_cases, (torch.bfloat16,)),
+    "DecoderLayer": (decoder_layer_cases, (torch.float32, torch.bfloat16)),
 }
 
 

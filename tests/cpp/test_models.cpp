@@ -27,13 +27,21 @@ std::map<std::string, const void*> data_pointers(torch::nn::Module& m) {
 TEST(Kernelize, Qwen3MoePresetMapsEveryLayerOnCpu) {
   auto model = make_preset("qwen3-moe-tiny");
   const Report report = kernelize(*model, "cpu", Mode::kTraining);
-  // 2 layers x (input_layernorm, post_attention_layernorm, q_norm, k_norm, experts) + final norm.
-  ASSERT_EQ(report.entries.size(), 11u);
+  // 2 layers x (q_norm, k_norm, rotary_pos_emb, experts, input_layernorm, post_attention_layernorm) + final
+  // norm; every residual add is fused into the norm after it (all but layer 0's input norm).
+  std::map<std::string, std::string> layer_of;
   for (const ReportEntry& e : report.entries) {
     EXPECT_FALSE(e.fallback) << e.path << ": " << e.reason;
     EXPECT_EQ(e.kernel.rfind("kernmap/", 0), 0u) << e.path;
+    layer_of[e.path] = e.layer;
   }
+  ASSERT_EQ(report.entries.size(), 13u);
   EXPECT_EQ(report.entries.front().path, "model.layers.0.self_attn.q_norm");
+  EXPECT_EQ(layer_of["model.layers.0.self_attn.rotary_pos_emb"], "rotary_pos_emb");
+  EXPECT_EQ(layer_of["model.layers.0.input_layernorm"], "RMSNorm");
+  EXPECT_EQ(layer_of["model.layers.1.input_layernorm"], "FusedAddRMSNorm");
+  EXPECT_EQ(layer_of["model.layers.0.post_attention_layernorm"], "FusedAddRMSNorm");
+  EXPECT_EQ(layer_of["model.norm"], "FusedAddRMSNorm");
   const std::string table = report.table();
   EXPECT_EQ(table.rfind("module", 0), 0u) << table;
   EXPECT_NE(table.find("model.layers.1.mlp.experts"), std::string::npos) << table;
@@ -79,7 +87,8 @@ TEST(Kernelize, WithoutFallbackAnUnmappedLayerIsAnErrorAndNothingIsRebound) {
     kernelize(*model, "cpu", Mode::kTraining, /*use_fallback=*/false);
     FAIL() << "expected KernelizeError";
   } catch (const KernelizeError& e) {
-    EXPECT_NE(std::string(e.what()).find("model.norm (RMSNorm)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model.layers.0.input_layernorm (RMSNorm)"), std::string::npos)
+        << e.what();
     EXPECT_FALSE(e.report.entries.empty());
   }
   for (const ReportEntry& e : restore_reference(*model).entries) EXPECT_EQ(e.source, "reference");

@@ -13,13 +13,16 @@ from .base import Binder
 from .experts import ExpertsBinder
 from .gated_mlp import GatedMLPBinder
 from .rms_norm import RMSNormBinder
+from .rotary import RotaryBinder
 from .silu import SiLUBinder
 
-BINDERS: tuple[Binder, ...] = (RMSNormBinder(), SiLUBinder(), GatedMLPBinder(), ExpertsBinder())
+BINDERS: tuple[Binder, ...] = (RMSNormBinder(), SiLUBinder(), GatedMLPBinder(), ExpertsBinder(), RotaryBinder())
 
 # Registered layers without a module of their own, and why.
 OP_ONLY_LAYERS = {
     "GroupedMM": "the expert products inside Experts (transformers' grouped_mm); no module bears it",
+    "FusedAddRMSNorm": ("the residual add sits in transformers' decoder-layer forwards, not in a module; binding "
+                        "them was measured to gain nothing at real sizes (docs/ops.md); the C++ models use it"),
 }
 
 __all__ = ["BINDERS", "Binder", "OP_ONLY_LAYERS"]

@@ -50,6 +50,13 @@ def bind_forward(module: nn.Module, forward: Callable) -> None:
     module.forward = types.MethodType(forward, module)
 
 
+def foreign_forward(module: nn.Module) -> bool:
+    """Whether the module's instance has a forward of its own that kernmap did not bind (a hook wrapper of
+    another library): what it would run with kernmap's binding restored is not its class's forward."""
+    original = module.__dict__.get(_ORIGINAL, module.__dict__.get("forward", _NO_INSTANCE_FORWARD))
+    return original is not _NO_INSTANCE_FORWARD
+
+
 def restore_forward(module: nn.Module) -> None:
     original = module.__dict__.pop(_ORIGINAL, None)
     if original is None:
