@@ -9,6 +9,7 @@
 #include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "ops/grouped_mm.h"
+#include "ops/linear_cross_entropy.h"
 
 namespace kernmap::reference {
 
@@ -81,6 +82,23 @@ at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
   return out;
 }
 
+// transformers' ForCausalLMLoss (loss/loss_utils.py) of lm_head(hidden), labels already shifted: the logits
+// in the input dtype, .float(), cross_entropy with ignore_index, mean, or sum / num_items_in_batch (cast to
+// the loss's dtype, as an integer count is in transformers' division). float64 stays float64 (see rms_norm).
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                                const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                                const std::optional<at::Tensor>& num_items_in_batch) {
+  ops::check_linear_cross_entropy("reference_linear_cross_entropy", hidden, weight, labels, bias,
+                                  num_items_in_batch);
+  const at::Tensor logits =
+      at::linear(hidden, weight, bias).to(at::promote_types(at::kFloat, hidden.scalar_type()));
+  if (!num_items_in_batch || !num_items_in_batch->defined())
+    return at::cross_entropy_loss(logits, labels, std::nullopt, at::Reduction::Mean, ignore_index);
+  const at::Tensor sum =
+      at::cross_entropy_loss(logits, labels, std::nullopt, at::Reduction::Sum, ignore_index);
+  return sum / num_items_in_batch->reshape({}).to(sum.device(), sum.scalar_type());
+}
+
 }  // namespace kernmap::reference
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
@@ -90,4 +108,5 @@ TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_swiglu", &kernmap::reference::swiglu);
   m.impl("reference_grouped_mm", &kernmap::reference::grouped_mm);
   m.impl("reference_experts", &kernmap::reference::experts);
+  m.impl("reference_linear_cross_entropy", &kernmap::reference::linear_cross_entropy);
 }

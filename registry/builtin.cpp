@@ -57,6 +57,9 @@ bool register_builtins() {
                                        "transformers eager experts loop");
   experts.compile_safe = false;
   register_kernel(experts);
+  register_kernel(reference("reference/linear_cross_entropy", "ForCausalLMLoss",
+                            "kernmap::reference_linear_cross_entropy",
+                            "transformers ForCausalLMLoss of lm_head(hidden) (ATen ops, [N, V] logits)"));
   register_kernel(cpu_kernel("kernmap/rms_norm", "RMSNorm", "kernmap::rms_norm",
                              "fused one-pass RMSNorm, fp32 accumulation, SIMD level chosen at run time"));
   register_kernel(
@@ -67,13 +70,18 @@ bool register_builtins() {
                              "grouped product over (group x tile) tasks on the intra-op pool"));
   register_kernel(cpu_kernel("kernmap/experts", "Experts", "kernmap::experts",
                              "sorted-token grouped products, fused SiLU-and-mul, deterministic combine"));
+  register_kernel(cpu_kernel("kernmap/linear_cross_entropy", "ForCausalLMLoss",
+                             "kernmap::linear_cross_entropy",
+                             "LM head + cross-entropy by chunks of rows, gradients in the forward, no [N, V] "
+                             "logits"));
 
   Mapping defaults;
   for (const auto& [layer, kernel] : {std::pair<std::string, std::string>{"RMSNorm", "kernmap/rms_norm"},
                                       {"SiLU", "kernmap/silu"},
                                       {"SiluAndMul", "kernmap/silu_and_mul"},
                                       {"GroupedMM", "kernmap/grouped_mm"},
-                                      {"Experts", "kernmap/experts"}}) {
+                                      {"Experts", "kernmap/experts"},
+                                      {"ForCausalLMLoss", "kernmap/linear_cross_entropy"}}) {
     defaults[layer]["cpu"] = {{Mode::kInference, kernel},
                               {Mode::kTraining, kernel},
                               {Mode::kInference | Mode::kCompile, kernel},

@@ -8,10 +8,11 @@
 namespace kernmap::cpu {
 namespace {
 
-#define KERNMAP_TABLE(ns, lvl)                                                                       \
-  KernelTable {                                                                                      \
-    lvl, &ns::rms_norm_fwd, &ns::rms_norm_bwd, &ns::silu_fwd, &ns::silu_bwd, &ns::silu_and_mul_fwd,  \
-        &ns::silu_and_mul_bwd, &ns::gemm_nt, &ns::gemm_bcast, &ns::moe_combine, &ns::moe_combine_bwd \
+#define KERNMAP_TABLE(ns, lvl)                                                                        \
+  KernelTable {                                                                                       \
+    lvl, &ns::rms_norm_fwd, &ns::rms_norm_bwd, &ns::silu_fwd, &ns::silu_bwd, &ns::silu_and_mul_fwd,   \
+        &ns::silu_and_mul_bwd, &ns::gemm_nt, &ns::gemm_bcast, &ns::moe_combine, &ns::moe_combine_bwd, \
+        &ns::cross_entropy_rows                                                                       \
   }
 const KernelTable kTables[] = {
     KERNMAP_TABLE(baseline, Level::kBaseline),

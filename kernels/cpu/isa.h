@@ -29,6 +29,7 @@ struct KernelTable {
   decltype(&baseline::gemm_bcast) gemm_bcast;
   decltype(&baseline::moe_combine) moe_combine;
   decltype(&baseline::moe_combine_bwd) moe_combine_bwd;
+  decltype(&baseline::cross_entropy_rows) cross_entropy_rows;
 };
 
 /// The table of the active level (chosen on first call).
