@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <tuple>
 #include <vector>
 
@@ -92,15 +93,23 @@ Targets targets_of(const at::Tensor& labels, int64_t ignore_index, int64_t V) {
   return t;
 }
 
-// Rows per chunk: the chunk's logits take about twice the last-level cache (sysconf's L3 size, 32 MiB where
-// it reports none), and at least 128 rows: see docs/ops.md, "Fused linear cross-entropy".
+// Rows per chunk (docs/ops.md, "Fused linear cross-entropy"): as many as the last-level cache holds in
+// logits, L3 / (V x element size) with sysconf's L3 size (32 MiB where it reports none), and at least 256:
+// with fewer the products stream the weight and its gradient from memory once a chunk for too little
+// arithmetic. KERNMAP_LCE_CHUNK_ROWS sets it (tests, tuning).
 int64_t chunk_rows(int64_t V, int64_t element_size) {
+  if (const char* v = std::getenv("KERNMAP_LCE_CHUNK_ROWS")) {
+    char* end = nullptr;
+    const long long rows = std::strtoll(v, &end, 10);
+    TORCH_CHECK(end != v && *end == '\0' && rows >= 1,
+                "kernmap: KERNMAP_LCE_CHUNK_ROWS must be a whole number of rows >= 1, got '", v, "'");
+    return rows;
+  }
   static const int64_t llc = [] {
     const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
     return l3 > 0 ? static_cast<int64_t>(l3) : int64_t{32} << 20;
   }();
-  if (const char* v = std::getenv("KERNMAP_LCE_CHUNK")) return std::max<int64_t>(1, std::atoll(v));
-  return std::max<int64_t>(128, 2 * llc / (V * element_size));
+  return std::max<int64_t>(256, llc / (V * element_size));
 }
 
 Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,

@@ -11,9 +11,39 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-// e^x; 0 below -88, where e^x is under 6e-39 (so -inf logits contribute exactly 0, as in torch).
+// e^x for x <= 0 (the kernel's arguments are logits minus their maximum): 2^n e^r with n = round(x log2 e),
+// r = x - n ln2 (ln2 in two parts), e^r = 1 + r + r^2 P(r) with Cephes' expf polynomial (about 1 ulp, and
+// exactly 1 at 0, so that a row's maximum contributes exactly 1). 0 below -88, where e^x is under 6e-39:
+// -inf logits contribute exactly 0, as in torch.
 inline VF exp_block(VF x) {
-  return x < -88.0f ? VF{} : exp_neg_block(-x);
+  const float log2e = 1.44269504088896341f;
+  const float ln2_hi = 0.693145751953125f;
+  const float ln2_lo = 1.428606765330187e-06f;
+  const VF xc = x < -88.0f ? VF{} - 88.0f : x;
+#if defined(__AVX512F__)
+  const VF n = _mm512_roundscale_ps(xc * log2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  // Adding 1.5 * 2^23 rounds to an integer, which then sits in the low mantissa bits of t.
+  const VF t = madd(xc, VF{} + log2e, VF{} + 12582912.0f);
+  const VF n = t - 12582912.0f;
+#endif
+  VF r = nmadd(n, VF{} + ln2_hi, xc);
+  r = nmadd(n, VF{} + ln2_lo, r);
+  VF p = VF{} + 1.9875691500e-4f;
+  p = madd(p, r, VF{} + 1.3981999507e-3f);
+  p = madd(p, r, VF{} + 8.3334519073e-3f);
+  p = madd(p, r, VF{} + 4.1665795894e-2f);
+  p = madd(p, r, VF{} + 1.6666665459e-1f);
+  p = madd(p, r, VF{} + 5.0000001201e-1f);
+  p = madd(p, r * r, r) + 1.0f;
+#if defined(__AVX512F__)
+  const VF e = _mm512_scalef_ps(p, n);
+#else
+  // t's bits are those of 1.5 * 2^23 plus n; shifted by 23 only n's bits survive, giving n as an exponent (n
+  // >= -126 for normal results; smaller n, within 0.7 of -88, give 0 instead of a subnormal).
+  const VF e = p * (VF)(((VI)t + 127) << 23);
+#endif
+  return x < -88.0f ? VF{} : e;
 }
 inline VD exp_block(VD x) {
   for (int j = 0; j < kBlock; ++j) x[j] = std::exp(x[j]);

@@ -112,8 +112,9 @@ def test_logits_loss_and_gradients_equal_transformers(checkpoints, family, mode,
     for layer in report["layers"]:
         assert layer["fallback"] == (mode == "reference"), layer
         assert layer["kernel"].startswith("reference/" if mode == "reference" else "kernmap/"), layer
-    assert {layer["layer"] for layer in report["layers"]} >= ({"RMSNorm", "SiluAndMul"} if family == "qwen2" else
-                                                              {"RMSNorm", "Experts"})
+    assert {layer["layer"] for layer in report["layers"]} >= ({"RMSNorm", "SiluAndMul", "ForCausalLMLoss"}
+                                                              if family == "qwen2" else
+                                                              {"RMSNorm", "Experts", "ForCausalLMLoss"})
 
     got = load_file(tmp_path / "out.safetensors")
     logits, loss, grads = hf_run(model, ids, labels)
@@ -300,7 +301,7 @@ def test_plan_qwen3_moe_tiny_maps_every_layer_to_a_kernmap_kernel():
     doc = json.loads(out.stdout)
     assert doc["device"] == "cpu" and doc["mode"] == "training"
     layers = {layer["layer"] for layer in doc["layers"]}
-    assert layers == {"RMSNorm", "Experts"}
+    assert layers == {"RMSNorm", "Experts", "ForCausalLMLoss"}
     for layer in doc["layers"]:
         assert not layer["fallback"] and layer["kernel"].startswith("kernmap/"), layer
     text = kernmap("plan", "--preset", "qwen3-moe-tiny")
