@@ -72,7 +72,7 @@ std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>
   };
   add_row("original", {});
   auto probe = make_model();
-  for (const char* layer : {"RMSNorm", "SiluAndMul", "Experts"})
+  for (const char* layer : {"RMSNorm", "SiluAndMul", "Experts", "ForCausalLMLoss"})
     if (layers.count(layer) && has_layer(*probe, layer)) add_row(std::string("+") + layer, {layer});
   probe.reset();
   LayerSet all;

@@ -108,7 +108,7 @@ void Trainer::load_checkpoint(const std::string& dir) {
 }
 
 LayerSet parse_kernels(const std::string& text) {
-  const LayerSet known = {"RMSNorm", "SiluAndMul", "Experts"};
+  const LayerSet known = {"RMSNorm", "SiluAndMul", "Experts", "ForCausalLMLoss"};
   if (text == "all") return known;
   if (text == "none") return {};
   LayerSet out;
@@ -117,8 +117,9 @@ LayerSet parse_kernels(const std::string& text) {
     const size_t end = std::min(text.find(',', start), text.size());
     const std::string name = text.substr(start, end - start);
     if (!known.count(name))
-      throw std::invalid_argument("--kernels: unknown layer '" + name +
-                                  "' (expected all, none or a comma list of RMSNorm, SiluAndMul, Experts)");
+      throw std::invalid_argument(
+          "--kernels: unknown layer '" + name +
+          "' (expected all, none or a comma list of RMSNorm, SiluAndMul, Experts, ForCausalLMLoss)");
     out.insert(name);
     start = end + 1;
   }

@@ -149,8 +149,8 @@ class Trainer {
   int64_t step_ = 0;
 };
 
-/// The layers a run kernelizes: a subset of {"RMSNorm", "SiluAndMul", "Experts"}; the rest stay on their
-/// reference kernels.
+/// The layers a run kernelizes: a subset of {"RMSNorm", "SiluAndMul", "Experts", "ForCausalLMLoss"}; the rest
+/// stay on their reference kernels.
 using LayerSet = std::set<std::string>;
 /// "all", "none" or a comma list of layer names; throws std::invalid_argument for an unknown name.
 LayerSet parse_kernels(const std::string& text);
@@ -177,7 +177,7 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
 
 /// One row of the ablation table.
 struct AblationRow {
-  std::string name;  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
+  std::string name;  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "+ForCausalLMLoss", "all"
   LayerSet layers;
   std::vector<double> seconds;      ///< measured steps (warm-up excluded), wall clock
   std::vector<double> cpu_seconds;  ///< the same steps in process CPU time

@@ -331,4 +331,4 @@ def test_plan_shows_the_reference_and_the_reason_when_a_layer_is_disabled():
         if layer["layer"] == "Experts":
             assert layer["kernel"] == "reference/experts" and layer["reason"] == "disabled by KERNMAP_DISABLE"
         else:
-            assert layer["kernel"] == "kernmap/rms_norm"
+            assert layer["kernel"].startswith("kernmap/"), layer
