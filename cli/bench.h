@@ -52,5 +52,6 @@ std::vector<CaseBuilder> rotary_cases(const std::string& dtype, const ShapeFilte
 std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> experts_cases(const std::string& dtype, const ShapeFilter& wanted);
+std::vector<CaseBuilder> linear_cross_entropy_cases(const std::string& dtype, const ShapeFilter& wanted);
 
 }  // namespace kernmap::cli

@@ -28,6 +28,7 @@
 #include "kernmap/cpu.h"
 #include "kernmap/memory.h"
 #include "kernmap/ops.h"
+#include "ops/memory.h"
 
 namespace kernmap::cli {
 namespace {
@@ -43,11 +44,12 @@ struct Options {
 
 struct Timing {
   double median_ms, min_ms, max_ms;
+  double peak_bytes = 0;  ///< the most CPU memory one run allocated above what was live before it
 };
 
-Timing stats(std::vector<double> ms) {
+Timing stats(std::vector<double> ms, double peak_bytes) {
   std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms.front(), ms.back()};
+  return {ms[ms.size() / 2], ms.front(), ms.back(), peak_bytes};
 }
 
 double now_ms() {
@@ -55,20 +57,26 @@ double now_ms() {
   return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
 }
 
-// Times every implementation of a case; repetition i of each runs before repetition i+1 of any.
+// Times every implementation of a case; repetition i of each runs before repetition i+1 of any. Each run's
+// peak memory is counted too (ops/memory.h: c10's CPU allocator and the large-block cache).
 std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Options& o) {
+  ops::MemoryCounter& memory = ops::MemoryCounter::counter();
   std::vector<std::vector<double>> ms(impls.size());
+  std::vector<double> peak(impls.size(), 0);
   for (int r = 0; r < o.warmup + o.reps; ++r)
     for (size_t i = 0; i < impls.size(); ++i) {
       const int cap = impls[i].reps_cap;
       if (cap > 0 && (r < o.warmup || static_cast<int>(ms[i].size()) >= cap)) continue;
+      const int64_t before = memory.live();
+      memory.reset_peak();
       const double t0 = now_ms();
       impls[i].run();
       const double t1 = now_ms();
+      peak[i] = std::max(peak[i], static_cast<double>(memory.peak() - before));
       if (r >= o.warmup) ms[i].push_back(t1 - t0);
     }
   std::vector<Timing> out;
-  for (auto& m : ms) out.push_back(stats(m));
+  for (size_t i = 0; i < ms.size(); ++i) out.push_back(stats(ms[i], peak[i]));
   return out;
 }
 
@@ -129,9 +137,13 @@ int bench_command(const Options& o) {
   const bool progress = !o.json && isatty(STDERR_FILENO);
 
   const std::vector<std::pair<std::string, CaseFactory>> families = {
-      {"rms_norm", rms_norm_cases},     {"add_rms_norm", add_rms_norm_cases},
-      {"apply_rotary", rotary_cases},   {"silu_and_mul", silu_and_mul_cases},
-      {"grouped_mm", grouped_mm_cases}, {"experts", experts_cases}};
+      {"rms_norm", rms_norm_cases},
+      {"add_rms_norm", add_rms_norm_cases},
+      {"apply_rotary", rotary_cases},
+      {"silu_and_mul", silu_and_mul_cases},
+      {"grouped_mm", grouped_mm_cases},
+      {"experts", experts_cases},
+      {"linear_cross_entropy", linear_cross_entropy_cases}};
   const std::vector<std::string> dtypes = {"float32", "bfloat16"};
   std::vector<std::pair<const CaseFactory*, std::string>> planned;
   for (const auto& [op, factory] : families)
@@ -212,7 +224,8 @@ int bench_command(const Options& o) {
                   {"pct_of_copy", 100 * gbps(r) / copy},
                   {"speedup_vs_reference", reference_ms(r) / r.t.median_ms},
                   {"floor_ms", floor_ms(r)},
-                  {"x_floor", r.t.median_ms / floor_ms(r)}};
+                  {"x_floor", r.t.median_ms / floor_ms(r)},
+                  {"peak_bytes", r.t.peak_bytes}};
       if (r.c.flops > 0) row["gflops"] = gflops(r);
       results.push_back(std::move(row));
     }
@@ -233,14 +246,14 @@ int bench_command(const Options& o) {
       "medians\n\n",
       at::get_num_threads(), cpu_level().c_str(), o.warmup, o.reps);
   Table t{{"op", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s",
-           "floor ms", "x floor", "speedup"},
+           "floor ms", "x floor", "speedup", "peak MB"},
           {}};
   for (const Row& r : rows)
     t.rows.push_back({r.c.op, r.c.pass, r.c.dtype, r.c.shape, r.impl, fixed(r.t.median_ms, 3),
                       fixed(r.t.min_ms, 2) + ".." + fixed(r.t.max_ms, 2), fixed(gbps(r), 1),
                       fixed(100 * gbps(r) / copy, 1) + "%", r.c.flops > 0 ? fixed(gflops(r), 1) : "-",
                       fixed(floor_ms(r), 2), fixed(r.t.median_ms / floor_ms(r), 2) + "x",
-                      fixed(reference_ms(r) / r.t.median_ms, 2) + "x"});
+                      fixed(reference_ms(r) / r.t.median_ms, 2) + "x", fixed(r.t.peak_bytes / 1e6, 1)});
   std::printf("%s", t.render().c_str());
   return 0;
 }

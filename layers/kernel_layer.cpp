@@ -271,4 +271,36 @@ KernelInputs Experts::kernel_inputs() const {
   return {dtype_name(gate_up_proj_), {{1, H}, {1, top_k_}, {1, top_k_}, {E, I2, H}, {E, H, I2 / 2}}};
 }
 
+// ---- CausalLMLoss ----
+
+struct CausalLMLoss::Op {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                  int64_t, const std::optional<Tensor>&)>
+      handle;
+};
+
+CausalLMLoss::CausalLMLoss(Tensor weight, Tensor bias)
+    : KernelLayer("ForCausalLMLoss"), weight_(std::move(weight)), bias_(std::move(bias)) {
+  bind_op(kernel().name);
+}
+
+CausalLMLoss::~CausalLMLoss() = default;
+
+void CausalLMLoss::bind_op(const std::string& kernel_name) {
+  op_ = std::make_unique<Op>(
+      Op{typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t,
+                         const std::optional<Tensor>&)>(kernel_name, layer_name())});
+}
+
+Tensor CausalLMLoss::forward(const Tensor& hidden, const Tensor& labels, const Tensor& num_items_in_batch,
+                             int64_t ignore_index) {
+  auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
+  return op_->handle.call(hidden, weight_, labels, opt(bias_), ignore_index, opt(num_items_in_batch));
+}
+
+KernelInputs CausalLMLoss::kernel_inputs() const {
+  const int64_t V = weight_.size(0), H = weight_.size(1);
+  return {dtype_name(weight_), {{1, H}, {V, H}, {1}}};
+}
+
 }  // namespace kernmap

@@ -223,6 +223,13 @@ CausalLM::CausalLM(ModelConfig config, const at::TensorOptions& options) : confi
   if (!config_.tie_word_embeddings)
     lm_head_ = register_module(
         "lm_head", std::make_shared<Linear>(config_.hidden_size, config_.vocab_size, false, options));
+  // transformers keeps ForCausalLMLoss in the model's loss_function; here it is a kernel layer on the head's
+  // weight.
+  loss_ = register_module("loss_function", std::make_shared<CausalLMLoss>(lm_head_weight()));
+}
+
+const Tensor& CausalLM::lm_head_weight() const {
+  return lm_head_ ? lm_head_->weight : model_->embed_tokens->weight;
 }
 
 CausalLM::~CausalLM() = default;
@@ -231,18 +238,19 @@ CausalLMOutput CausalLM::forward(const Tensor& input_ids, const Tensor& labels) 
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong,
               "CausalLM.forward: input_ids must be int64 [B, S], got ", input_ids.scalar_type(), " ",
               input_ids.sizes());
+  TORCH_CHECK(!labels.defined() || labels.sizes() == input_ids.sizes(),
+              "CausalLM.forward: labels must have the shape of input_ids ", input_ids.sizes(), ", got ",
+              labels.sizes());
   const Tensor h = model_->forward(input_ids);
   CausalLMOutput out;
-  out.logits = lm_head_ ? lm_head_->forward(h) : at::linear(h, model_->embed_tokens->weight);
-  if (labels.defined()) {
-    TORCH_CHECK(labels.sizes() == input_ids.sizes(),
-                "CausalLM.forward: labels must have the shape of input_ids ", input_ids.sizes(), ", got ",
-                labels.sizes());
-    // ForCausalLMLoss: fp32 logits, labels shifted left with -100 padding, mean over the labels not ignored.
-    const Tensor shifted = at::constant_pad_nd(labels, {0, 1}, -100).slice(-1, 1).contiguous();
-    out.loss = at::cross_entropy_loss(out.logits.to(at::kFloat).view({-1, config_.vocab_size}),
-                                      shifted.view(-1), std::nullopt, at::Reduction::Mean, -100);
+  if (!labels.defined()) {
+    out.logits = at::linear(h, lm_head_weight());
+    return out;
   }
+  // ForCausalLMLoss: labels shifted left with -100 padding, the loss of every position from the LM head's
+  // product (the loss layer's kernel; the fused one never holds the logits).
+  const Tensor shifted = at::constant_pad_nd(labels, {0, 1}, -100).slice(-1, 1).reshape(-1);
+  out.loss = loss_->forward(h.reshape({-1, config_.hidden_size}), shifted);
   return out;
 }
 

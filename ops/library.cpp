@@ -52,6 +52,21 @@ TORCH_LIBRARY(kernmap, m) {
       "experts_backward(Tensor grad_out, Tensor hidden, Tensor topk_weights, Tensor gate_up_proj, Tensor "
       "down_proj, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out) -> (Tensor grad_hidden, "
       "Tensor grad_topk_weights, Tensor grad_gate_up_proj, Tensor grad_down_proj)");
+  // transformers' ForCausalLMLoss of a linear LM head, without the [N, V] logits: hidden [N, H], weight [V,
+  // H], labels int64 [N] (already shifted), bias [V]; mean over the rows whose label is not ignore_index, or
+  // their sum / num_items_in_batch (a one-element tensor). Returns the fp32 loss (fp64 for fp64 inputs).
+  // linear_cross_entropy_forward also returns the gradients of the loss (taken as 1) for the inputs that
+  // output_mask asks for (hidden, weight, bias; undefined otherwise).
+  m.def(
+      "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias=None, int "
+      "ignore_index=-100, "
+      "Tensor? num_items_in_batch=None) -> Tensor");
+  m.def(
+      "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, int "
+      "ignore_index, "
+      "Tensor? num_items_in_batch, bool[3] output_mask) -> (Tensor loss, Tensor grad_hidden, Tensor "
+      "grad_weight, "
+      "Tensor grad_bias)");
   // The cache of large CPU buffers (ops/memory.h): bytes held, and release (returns the bytes released).
   m.def("cached_memory_bytes() -> int");
   m.def("release_cached_memory() -> int");
@@ -72,4 +87,7 @@ TORCH_LIBRARY(kernmap, m) {
   m.def(
       "reference_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor "
       "down_proj) -> Tensor");
+  m.def(
+      "reference_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias=None, int "
+      "ignore_index=-100, Tensor? num_items_in_batch=None) -> Tensor");
 }

@@ -1,13 +1,10 @@
 // The runs that prove a kernel mapping: alignment (original vs kernelized, step by step) and ablation (step
 // time per kernel, interleaved, with each step's peak CPU memory).
-#include <c10/core/Allocator.h>
-#include <c10/core/CPUAllocator.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 #include "kernmap/train.h"
+#include "ops/memory.h"
 
 namespace kernmap::train {
 namespace {
@@ -15,53 +12,6 @@ namespace {
 double rel_diff(double a, double b) {
   return std::abs(a - b) / std::max(std::abs(b), 1e-30);
 }
-
-// Wraps the CPU allocator to count live bytes and their peak (c10 keeps no CPU statistics). Installed for the
-// life of the process once an ablation runs; it only forwards and counts.
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    auto* ctx = new Context{std::move(inner), n, this};
-    const int64_t now = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
-    int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
-    return {data, ctx, &release, device};
-  }
-  void copy_data(void* dest, const void* src, size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-  int64_t live() const { return live_.load(); }
-  int64_t peak() const { return peak_.load(); }
-  void reset_peak() { peak_.store(live_.load()); }
-
-  static CountingAllocator& instance() {
-    static CountingAllocator* counting = [] {
-      auto* a = new CountingAllocator(c10::GetCPUAllocator());
-      c10::SetCPUAllocator(a, /*priority=*/1);
-      return a;
-    }();
-    return *counting;
-  }
-
- private:
-  struct Context {
-    c10::DataPtr inner;
-    size_t bytes;
-    CountingAllocator* owner;
-  };
-  static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    ctx->owner->live_.fetch_sub(static_cast<int64_t>(ctx->bytes));
-    delete ctx;  // frees through the wrapped allocator's deleter
-  }
-  c10::Allocator* base_;
-  std::atomic<int64_t> live_{0}, peak_{0};
-};
 
 double percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
@@ -115,7 +65,7 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
 std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
                                 const Dataset& data, const TrainOptions& options, const LayerSet& layers,
                                 int64_t warmup, int64_t steps, const Progress& progress) {
-  CountingAllocator& memory = CountingAllocator::instance();
+  ops::MemoryCounter& memory = ops::MemoryCounter::counter();
   std::vector<AblationRow> rows;
   std::vector<std::unique_ptr<Trainer>> trainers;
   auto add_row = [&](std::string name, LayerSet set) {

@@ -21,8 +21,8 @@
 
 namespace kernmap {
 
-/// A module with a layer name ("RMSNorm", "FusedAddRMSNorm", "rotary_pos_emb", "SiluAndMul", "Experts") and a
-/// forward that runs the bound kernel.
+/// A module with a layer name ("RMSNorm", "FusedAddRMSNorm", "rotary_pos_emb", "SiluAndMul", "Experts",
+/// "ForCausalLMLoss") and a forward that runs the bound kernel.
 class KERNMAP_API KernelLayer : public torch::nn::Module {
  public:
   ~KernelLayer() override;
@@ -152,6 +152,26 @@ class KERNMAP_API Experts : public KernelLayer {
   struct Op;
   at::Tensor gate_up_proj_, down_proj_;
   int64_t top_k_;
+  std::unique_ptr<Op> op_;
+};
+
+/// transformers' ForCausalLMLoss of a linear LM head, the "ForCausalLMLoss" layer: forward(hidden [N, H],
+/// labels [N]) is the cross-entropy of hidden @ weight^T (+ bias) against labels already shifted
+/// (ignore_index rows excluded; the mean, or the sum / num_items_in_batch), as kernmap::linear_cross_entropy
+/// computes it — the mapped kernel without materializing the [N, V] logits. No parameters of its own: weight
+/// and bias are the LM head's (or the tied input embedding), shared with the module that owns them.
+class KERNMAP_API CausalLMLoss : public KernelLayer {
+ public:
+  explicit CausalLMLoss(at::Tensor weight, at::Tensor bias = {});
+  ~CausalLMLoss() override;
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& labels,
+                     const at::Tensor& num_items_in_batch = {}, int64_t ignore_index = -100);
+  KernelInputs kernel_inputs() const override;
+
+ private:
+  void bind_op(const std::string& kernel_name) override;
+  struct Op;
+  at::Tensor weight_, bias_;
   std::unique_ptr<Op> op_;
 };
 

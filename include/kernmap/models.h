@@ -80,15 +80,17 @@ struct KERNMAP_API ModelConfig {
 
 class DecoderModel;
 
-/// Logits [B, S, V]; loss (mean next-token cross entropy in fp32, labels -100 ignored) when labels were
-/// given.
+/// Without labels: the logits [B, S, V]. With labels: the loss (mean next-token cross-entropy in fp32, labels
+/// -100 ignored), computed by the model's ForCausalLMLoss layer, and no logits (undefined): the fused kernel
+/// never materializes them (forward(input_ids) gives them).
 struct KERNMAP_API CausalLMOutput {
   at::Tensor logits;
   at::Tensor loss;
 };
 
-/// A causal language model: submodules "model" (embed_tokens, layers.N, norm) and "lm_head" (absent when the
-/// embeddings are tied). Parameters are created with the given options; a meta device builds the structure
+/// A causal language model: submodules "model" (embed_tokens, layers.N, norm), "lm_head" (absent when the
+/// embeddings are tied) and "loss_function" (the ForCausalLMLoss kernel layer on the LM head's weight, no
+/// parameters of its own). Parameters are created with the given options; a meta device builds the structure
 /// without memory (enough for kernelize and `kernmap plan`). On any other device the constructor first calls
 /// config.check_fits_in_memory for the options' dtype.
 class KERNMAP_API CausalLM : public torch::nn::Module {
@@ -96,8 +98,8 @@ class KERNMAP_API CausalLM : public torch::nn::Module {
   CausalLM(ModelConfig config, const at::TensorOptions& options);
   ~CausalLM() override;
   const ModelConfig& config() const { return config_; }
-  /// input_ids [B, S] int64; labels [B, S] int64 or undefined. Causal attention over all positions (no
-  /// padding mask), positions 0..S-1.
+  /// input_ids [B, S] int64; labels [B, S] int64 or undefined (see CausalLMOutput). Causal attention over all
+  /// positions (no padding mask), positions 0..S-1.
   CausalLMOutput forward(const at::Tensor& input_ids, const at::Tensor& labels = {});
   /// transformers' initialisation from a seed: normal(0, initializer_range) for matrices and embeddings, zero
   /// biases, ones for norms.
@@ -114,6 +116,9 @@ class KERNMAP_API CausalLM : public torch::nn::Module {
   ModelConfig config_;
   std::shared_ptr<DecoderModel> model_;
   std::shared_ptr<Linear> lm_head_;
+  std::shared_ptr<CausalLMLoss> loss_;
+  /// lm_head's weight, or the input embedding's when they are tied.
+  const at::Tensor& lm_head_weight() const;
 };
 
 /// Qwen2: q/k/v with bias, dense gated MLPs.

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 #include "kernmap/export.h"
@@ -40,8 +41,21 @@ KERNMAP_API at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, cons
 /// H] (gate rows first), down_proj [E, H, I]. Returns sum_k topk_weights * down(silu(gate) * up) per token.
 /// Ids follow transformers' eager experts: an id of E (the expert-parallel sentinel) is skipped (no
 /// contribution, a zero weight gradient); ids outside [0, E] are errors.
-KERNMAP_API at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                   const at::Tensor& gate_up_proj, const at::Tensor& down_proj);
+KERNMAP_API at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids,
+                               const at::Tensor& topk_weights, const at::Tensor& gate_up_proj,
+                               const at::Tensor& down_proj);
+
+/// transformers' ForCausalLMLoss of a linear LM head, computed without holding the [N, V] logits: logits =
+/// hidden @ weight^T (+ bias) in the input dtype, then float32; cross-entropy over the rows whose label is
+/// not ignore_index; their mean, or their sum / num_items_in_batch (a one-element tensor, as the HF Trainer
+/// passes under gradient accumulation). hidden [N, H] and weight [V, H] (and bias [V]) floating of one dtype,
+/// labels int64 [N] already shifted (position i holds the token that row i predicts). Returns the float32
+/// loss (float64 for float64 inputs); NaN when every row is ignored and there is no num_items_in_batch, as in
+/// transformers. Gradients for hidden, weight and bias. docs/ops.md, "Fused linear cross-entropy".
+KERNMAP_API at::Tensor linear_cross_entropy(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+    const std::optional<at::Tensor>& bias = std::nullopt, int64_t ignore_index = -100,
+    const std::optional<at::Tensor>& num_items_in_batch = std::nullopt);
 
 /// The reference kernels (transformers eager math composed of ATen ops).
 namespace reference {
@@ -58,6 +72,10 @@ KERNMAP_API at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, cons
 KERNMAP_API at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids,
                                const at::Tensor& topk_weights, const at::Tensor& gate_up_proj,
                                const at::Tensor& down_proj);
+KERNMAP_API at::Tensor linear_cross_entropy(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+    const std::optional<at::Tensor>& bias = std::nullopt, int64_t ignore_index = -100,
+    const std::optional<at::Tensor>& num_items_in_batch = std::nullopt);
 }  // namespace reference
 
 }  // namespace kernmap

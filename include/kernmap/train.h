@@ -57,7 +57,8 @@ class KERNMAP_API DataError : public std::runtime_error {
 KERNMAP_API Dataset read_jsonl(const std::string& path, int64_t vocab_size, bool skip_bad_lines);
 /// The same from a stream; `source` names it in messages and Dataset::source. The stream's exception mask is
 /// restored on return.
-KERNMAP_API Dataset read_jsonl(std::istream& in, const std::string& source, int64_t vocab_size, bool skip_bad_lines);
+KERNMAP_API Dataset read_jsonl(std::istream& in, const std::string& source, int64_t vocab_size,
+                               bool skip_bad_lines);
 
 /// A deterministic synthetic task (the same for a given seed on every machine): prompts of seq_len / 2 random
 /// tokens, responses that continue them by a fixed rule, so the loss falls as the model learns it.
@@ -218,7 +219,7 @@ KERNMAP_API AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& 
 /// One row of the ablation table. Every member has a default initializer: a row starts from its name and
 /// layers.
 struct KERNMAP_API AblationRow {
-  std::string name{};  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "all"
+  std::string name{};  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "+ForCausalLMLoss", "all"
   LayerSet layers{};
   std::vector<double> seconds{};      ///< measured steps (warm-up excluded), wall clock
   std::vector<double> cpu_seconds{};  ///< the same steps in process CPU time

@@ -83,5 +83,12 @@
      level and H, not element order). grad, rows and d_rows contiguous [*, H]; weights and d_weights Acc. */   \
   X(moe_combine_bwd, void, (DType dtype, const void* grad, const void* rows, const void* weights,               \
                             const int64_t* order, int64_t k, void* d_rows, void* d_weights, int64_t row_begin,   \
-                            int64_t row_end, int64_t H))
+                            int64_t row_end, int64_t H))                                                   \
+  /* Cross-entropy over rows [row_begin, row_end) of a chunk of logits z (rows ldz elements apart, V classes), \
+     row r's label target[r] in [0, V): loss[r] (Acc) = logsumexp(z[r]) - z[r][target[r]], the log-sum-exp in \
+     Acc from the row's maximum. With grad, z[r] is overwritten with round(softmax(z[r]) * scale), minus scale \
+     at the label: the gradient of scale * loss[r]. A row with a NaN or an infinite maximum gives NaN loss and \
+     gradient. */                                                                                               \
+  X(cross_entropy_rows, void, (DType dtype, void* z, int64_t ldz, int64_t V, const int64_t* target,            \
+                               double scale, void* loss, bool grad, int64_t row_begin, int64_t row_end))
 // clang-format on

@@ -3,11 +3,11 @@
 //
 //   kernmap_model_probe load DIR                          load config + weights; "ok" or the error (exit 1)
 //   kernmap_model_probe run DIR INPUTS OUT [MODE]         INPUTS: safetensors with input_ids, labels (int64
-//   [B, S]);
-//                                                          OUT: logits, loss, grad.<parameter> for every
-//                                                          parameter; MODE: reference (default), training or
-//                                                          inference (kernelized); the kernelize report goes
-//                                                          to stdout as JSON
+//                                                          [B, S]); OUT: logits (a forward without labels),
+//                                                          loss and grad.<parameter> for every parameter (one
+//                                                          with labels); MODE: reference (default), training
+//                                                          or inference (kernelized); the kernelize report
+//                                                          goes to stdout as JSON
 //   kernmap_model_probe save DIR OUTDIR [MAX_SHARD_BYTES] load, then save_pretrained
 //   kernmap_model_probe preset NAME OUTDIR                save a built-in preset
 #include <ATen/ATen.h>
@@ -36,9 +36,14 @@ int run(const std::vector<std::string>& a) {
     std::puts(report.json().c_str());
     at::Tensor ids, labels;
     for (auto& [name, t] : read_safetensors(a[2])) (name == "input_ids" ? ids : labels) = t;
+    at::Tensor logits;
+    {
+      at::NoGradGuard no_grad;
+      logits = model->forward(ids).logits;
+    }
     const CausalLMOutput out = model->forward(ids, labels);
     out.loss.backward();
-    std::vector<std::pair<std::string, at::Tensor>> tensors = {{"logits", out.logits.detach()},
+    std::vector<std::pair<std::string, at::Tensor>> tensors = {{"logits", logits},
                                                                {"loss", out.loss.detach()}};
     for (const auto& p : model->named_parameters()) tensors.emplace_back("grad." + p.key(), p.value().grad());
     write_safetensors(a[3], tensors);

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <map>
+#include <vector>
 
 #include "kernmap/models.h"
 
@@ -28,14 +29,14 @@ TEST(Kernelize, Qwen3MoePresetMapsEveryLayerOnCpu) {
   auto model = make_preset("qwen3-moe-tiny");
   const Report report = kernelize(*model, "cpu", Mode::kTraining);
   // 2 layers x (q_norm, k_norm, rotary_pos_emb, experts, input_layernorm, post_attention_layernorm) + final
-  // norm; every residual add is fused into the norm after it (all but layer 0's input norm).
+  // norm + loss; every residual add is fused into the norm after it (all but layer 0's input norm).
   std::map<std::string, std::string> layer_of;
   for (const ReportEntry& e : report.entries) {
     EXPECT_FALSE(e.fallback) << e.path << ": " << e.reason;
     EXPECT_EQ(e.kernel.rfind("kernmap/", 0), 0u) << e.path;
     layer_of[e.path] = e.layer;
   }
-  ASSERT_EQ(report.entries.size(), 13u);
+  ASSERT_EQ(report.entries.size(), 14u);
   EXPECT_EQ(report.entries.front().path, "model.layers.0.self_attn.q_norm");
   EXPECT_EQ(layer_of["model.layers.0.self_attn.rotary_pos_emb"], "rotary_pos_emb");
   EXPECT_EQ(layer_of["model.layers.0.input_layernorm"], "RMSNorm");
@@ -46,6 +47,8 @@ TEST(Kernelize, Qwen3MoePresetMapsEveryLayerOnCpu) {
   EXPECT_EQ(table.rfind("module", 0), 0u) << table;
   EXPECT_NE(table.find("model.layers.1.mlp.experts"), std::string::npos) << table;
   EXPECT_NE(table.find("kernmap/experts"), std::string::npos) << table;
+  EXPECT_EQ(report.entries.back().path, "loss_function");
+  EXPECT_EQ(report.entries.back().kernel, "kernmap/linear_cross_entropy");
 }
 
 TEST(Kernelize, BindsWithoutCopyingAndMatchesReferenceBothWays) {
@@ -53,19 +56,60 @@ TEST(Kernelize, BindsWithoutCopyingAndMatchesReferenceBothWays) {
     auto model = make_preset(name);
     const at::Tensor ids = sample_ids(model->config());
     const auto before = data_pointers(*model);
-    const at::Tensor reference = model->forward(ids, ids).logits.detach();
+    const at::Tensor reference = model->forward(ids).logits.detach();
     const Report report = kernelize(*model, "", Mode::kInference);
     EXPECT_EQ(report.device, "cpu");
     for (const ReportEntry& e : report.entries) EXPECT_FALSE(e.fallback) << name << " " << e.path;
     EXPECT_EQ(data_pointers(*model), before) << name << ": kernelize must not copy weights";
-    const at::Tensor fused = model->forward(ids, ids).logits.detach();
+    const at::Tensor fused = model->forward(ids).logits.detach();
     EXPECT_TRUE(at::allclose(fused, reference, 1e-5, 1e-6)) << name;
 
     const Report back = restore_reference(*model);
     for (const ReportEntry& e : back.entries) EXPECT_EQ(e.kernel.rfind("reference/", 0), 0u) << e.path;
-    EXPECT_TRUE(at::equal(model->forward(ids, ids).logits.detach(), reference)) << name;
+    EXPECT_TRUE(at::equal(model->forward(ids).logits.detach(), reference)) << name;
     const Report again = kernelize(*model, "cpu", Mode::kTraining);  // and once more, in another mode
     for (const ReportEntry& e : again.entries) EXPECT_FALSE(e.fallback) << e.path;
+  }
+}
+
+// The loss through the fused kernel equals the reference's, and so does every parameter's gradient — for
+// qwen2-tiny that includes the input embedding tied to the head, whose gradient sums the embedding's and the
+// loss's (the fused kernel hands autograd the head's share like any other op).
+TEST(Kernelize, FusedLossAndGradientsEqualTheReference) {
+  for (const std::string& name : preset_names()) {
+    auto model = make_preset(name);
+    const at::Tensor ids = sample_ids(model->config());
+    at::Tensor labels = ids.clone();
+    labels.narrow(1, 0, 2).fill_(-100);  // a prompt
+    std::vector<std::map<std::string, at::Tensor>> grads;
+    std::vector<double> losses;
+    for (bool fused : {false, true}) {
+      if (fused) {
+        kernelize(*model, "cpu", Mode::kTraining);
+      } else {
+        restore_reference(*model);
+      }
+      for (auto& p : model->parameters()) p.mutable_grad().reset();
+      const CausalLMOutput out = model->forward(ids, labels);
+      EXPECT_FALSE(out.logits.defined()) << name << ": labels give the loss only";
+      out.loss.backward();
+      losses.push_back(out.loss.item<double>());
+      std::map<std::string, at::Tensor> g;
+      for (const auto& p : model->named_parameters()) g[p.key()] = p.value().grad().clone();
+      grads.push_back(g);
+    }
+    EXPECT_NEAR(losses[1], losses[0], 1e-6 * std::abs(losses[0])) << name;
+    for (const auto& [param, g] : grads[0]) {
+      ASSERT_TRUE(grads[1].at(param).defined()) << name << " " << param;
+      EXPECT_TRUE(at::allclose(grads[1].at(param), g, 1e-4, 1e-7)) << name << " " << param;
+    }
+    if (model->config().tie_word_embeddings) {
+      // Without the loss's share the embedding's gradient would be zero outside the rows of the inputs.
+      const at::Tensor unused =
+          at::ones({model->config().vocab_size}, at::kBool).index_fill_(0, ids.reshape(-1), false);
+      EXPECT_GT(grads[1].at("model.embed_tokens.weight").index({unused}).abs().sum().item<double>(), 0)
+          << name;
+    }
   }
 }
 

@@ -112,7 +112,7 @@ def test_logits_loss_and_gradients_equal_transformers(checkpoints, family, mode,
     for layer in report["layers"]:
         assert layer["fallback"] == (mode == "reference"), layer
         assert layer["kernel"].startswith("reference/" if mode == "reference" else "kernmap/"), layer
-    assert {layer["layer"] for layer in report["layers"]} >= ({"RMSNorm", "FusedAddRMSNorm", "rotary_pos_emb"} |
+    assert {layer["layer"] for layer in report["layers"]} >= ({"RMSNorm", "FusedAddRMSNorm", "rotary_pos_emb", "ForCausalLMLoss"} |
                                                               ({"SiluAndMul"} if family == "qwen2" else {"Experts"}))
 
     got = load_file(tmp_path / "out.safetensors")
@@ -309,7 +309,7 @@ def test_plan_qwen3_moe_tiny_maps_every_layer_to_a_kernmap_kernel(run_cli):
     doc = json.loads(out.stdout)
     assert doc["device"] == "cpu" and doc["mode"] == "training"
     layers = {layer["layer"] for layer in doc["layers"]}
-    assert layers == {"RMSNorm", "FusedAddRMSNorm", "rotary_pos_emb", "Experts"}
+    assert layers == {"RMSNorm", "FusedAddRMSNorm", "rotary_pos_emb", "Experts", "ForCausalLMLoss"}
     for layer in doc["layers"]:
         assert not layer["fallback"] and layer["kernel"].startswith("kernmap/"), layer
     text = run_cli("plan", "--preset", "qwen3-moe-tiny")

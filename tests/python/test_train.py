@@ -199,9 +199,10 @@ def test_ablate_rows_and_numbers(kernmap):
     out = json.loads(kernmap("ablate", "--preset", "qwen3-moe-tiny", "--steps", 3, "--warmup", 1, "--seq-len", 16,
                              "--json").stdout)
     rows = {r["name"]: r for r in out["rows"]}
-    # Layers in module order (q_norm, the attention's rotary, the experts, the fused residual-add norms); no dense
-    # MLP in this preset.
-    assert list(rows) == ["original", "+RMSNorm", "+rotary_pos_emb", "+Experts", "+FusedAddRMSNorm", "all"]
+    # Layers in module order (q_norm, the attention's rotary, the experts, the fused residual-add norms, the
+    # loss); no dense MLP in this preset.
+    assert list(rows) == ["original", "+RMSNorm", "+rotary_pos_emb", "+Experts", "+FusedAddRMSNorm",
+                          "+ForCausalLMLoss", "all"]
     for r in rows.values():
         assert len(r["seconds"]) == 3 and r["p25_s"] <= r["median_s"] <= r["p75_s"] and r["peak_bytes"] > 0
         assert r["final_loss"] == pytest.approx(rows["original"]["final_loss"], rel=1e-5)

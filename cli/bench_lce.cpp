@@ -1,0 +1,98 @@
+// The fused linear cross-entropy cases of `kernmap bench ops`: the LM head and transformers' ForCausalLMLoss
+// at Qwen2-0.5B (H 896, V 151936) and Qwen2-7B (H 3584, V 152064) with N = 2048 rows, every label counted or
+// half the rows at ignore_index (SFT prompts), against the reference (the eager math, [N, V] logits) and the
+// bare matrix products the loss needs (one forward, three for forward+backward).
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "cli/bench.h"
+#include "kernmap/ops.h"
+
+namespace kernmap::cli {
+namespace {
+
+struct LceShape {
+  int64_t N, H, V;
+  bool half_ignored;
+};
+const LceShape kShapes[] = {
+    {2048, 896, 151936, false}, {2048, 896, 151936, true}, {2048, 3584, 152064, false}};
+
+std::string describe(const LceShape& s) {
+  return "N" + std::to_string(s.N) + " H" + std::to_string(s.H) + " V" + std::to_string(s.V) +
+         (s.half_ignored ? " half ignored" : "");
+}
+
+// Labels of 4 sequences of N / 4 tokens; with half_ignored the first half of each (its prompt) is -100.
+at::Tensor labels_of(const LceShape& s) {
+  at::Generator gen = at::detail::createCPUGenerator(1234);
+  at::Tensor labels = at::randint(s.V, {s.N}, gen);
+  if (s.half_ignored) labels.view({4, -1}).narrow(1, 0, s.N / 8).fill_(-100);
+  return labels;
+}
+
+}  // namespace
+
+std::vector<CaseBuilder> linear_cross_entropy_cases(const std::string& dtype, const ShapeFilter& wanted) {
+  std::vector<CaseBuilder> out;
+  for (const LceShape& s : kShapes)
+    if (wanted(describe(s)))
+      for (CaseBuilder& b : builders_of([s, dtype] {
+             const at::ScalarType dt = dtype_of(dtype);
+             // A final-norm output and a trained head's scale: logits of a few units.
+             const at::Tensor hidden = at::randn({s.N, s.H}).to(dt);
+             const at::Tensor weight = (at::randn({s.V, s.H}) * (2.0 / std::sqrt(double(s.H)))).to(dt);
+             const at::Tensor labels = labels_of(s);
+             const at::Tensor grad = at::ones({});
+             const double e = hidden.element_size();
+             const double product = 2.0 * s.N * s.H * s.V;
+             auto kern = [](const std::vector<at::Tensor>& in) {
+               return kernmap::linear_cross_entropy(in[0], in[1], in[2]);
+             };
+             auto ref = [](const std::vector<at::Tensor>& in) {
+               return kernmap::reference::linear_cross_entropy(in[0], in[1], in[2]);
+             };
+             // The products alone, with the logits' gradient stood in by the logits.
+             auto products = [](const std::vector<at::Tensor>& in) {
+               const at::Tensor z = at::mm(in[0], in[1].t());
+               return at::mm(z, in[1]).sum() + at::mm(z.t(), in[0]).sum();
+             };
+             const std::vector<at::Tensor> in = {hidden, weight, labels};
+             const int reps = s.H > 1024 ? 3 : 5;  // seconds a repetition
+             Case fwd{"linear_cross_entropy",      "fwd",   dtype, describe(s),
+                      e * (s.N * s.H + s.V * s.H), product, reps,  {}};
+             fwd.impls = {{"kernmap",
+                           [=] {
+                             at::NoGradGuard g;
+                             kern(in);
+                           }},
+                          {"reference",
+                           [=] {
+                             at::NoGradGuard g;
+                             ref(in);
+                           }},
+                          {"1 product", [=] {
+                             at::NoGradGuard g;
+                             at::mm(in[0], in[1].t());
+                           }}};
+             Case both{"linear_cross_entropy",
+                       "fwd+bwd",
+                       dtype,
+                       describe(s),
+                       e * (2 * s.N * s.H + 3 * s.V * s.H),
+                       3 * product,
+                       reps,
+                       {}};
+             both.impls = {{"kernmap", fwd_bwd(in, grad, kern)},
+                           {"reference", fwd_bwd(in, grad, ref)},
+                           {"3 products", [=] {
+                              at::NoGradGuard g;
+                              products(in);
+                            }}};
+             return std::vector<Case>{fwd, both};
+           }))
+        out.push_back(std::move(b));
+  return out;
+}
+
+}  // namespace kernmap::cli

@@ -1,0 +1,143 @@
+// The cross-entropy rows of the fused linear cross-entropy, compiled once per instruction-set level: the
+// log-sum-exp of each row of a chunk of logits, the loss at the row's label and, when asked, the softmax
+// gradient written over the logits. Three passes over a row (max, sum of exponentials, gradient): a row of
+// V = 152K fp32 logits is 600 KB, so the second and third read it from level 2.
+#include <algorithm>
+#include <limits>
+
+#include "kernels/cpu/vec.h"
+
+namespace kernmap::cpu {
+namespace KERNMAP_CPU_LEVEL {
+namespace {
+
+// e^x for x <= 0 (the kernel's arguments are logits minus their maximum): 2^n e^r with n = round(x log2 e),
+// r = x - n ln2 (ln2 in two parts), e^r = 1 + r + r^2 P(r) with Cephes' expf polynomial (about 1 ulp, and
+// exactly 1 at 0, so that a row's maximum contributes exactly 1). 0 below -88, where e^x is under 6e-39:
+// -inf logits contribute exactly 0, as in torch.
+inline VF exp_block(VF x) {
+  const float log2e = 1.44269504088896341f;
+  const float ln2_hi = 0.693145751953125f;
+  const float ln2_lo = 1.428606765330187e-06f;
+  const VF xc = x < -88.0f ? VF{} - 88.0f : x;
+#if defined(__AVX512F__)
+  const VF n = _mm512_roundscale_ps(xc * log2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  // Adding 1.5 * 2^23 rounds to an integer, which then sits in the low mantissa bits of t.
+  const VF t = madd(xc, VF{} + log2e, VF{} + 12582912.0f);
+  const VF n = t - 12582912.0f;
+#endif
+  VF r = nmadd(n, VF{} + ln2_hi, xc);
+  r = nmadd(n, VF{} + ln2_lo, r);
+  VF p = VF{} + 1.9875691500e-4f;
+  p = madd(p, r, VF{} + 1.3981999507e-3f);
+  p = madd(p, r, VF{} + 8.3334519073e-3f);
+  p = madd(p, r, VF{} + 4.1665795894e-2f);
+  p = madd(p, r, VF{} + 1.6666665459e-1f);
+  p = madd(p, r, VF{} + 5.0000001201e-1f);
+  p = madd(p, r * r, r) + 1.0f;
+#if defined(__AVX512F__)
+  const VF e = _mm512_scalef_ps(p, n);
+#else
+  // t's bits are those of 1.5 * 2^23 plus n; shifted by 23 only n's bits survive, giving n as an exponent (n
+  // >= -126 for normal results; smaller n, within 0.7 of -88, give 0 instead of a subnormal).
+  const VF e = p * (VF)(((VI)t + 127) << 23);
+#endif
+  return x < -88.0f ? VF{} : e;
+}
+inline VD exp_block(VD x) {
+  for (int j = 0; j < kBlock; ++j) x[j] = std::exp(x[j]);
+  return x;
+}
+inline float exp_scalar(float x) {
+  return exp_block(VF{} + x)[0];
+}
+inline double exp_scalar(double x) {
+  return std::exp(x);
+}
+
+template <class V>
+inline V max_block(V a, V b) {
+  return b > a ? b : a;
+}
+
+// Scalar math, for a row z[0, V) with label y, in Acc (bf16 and fp16 logits widen exactly):
+//   m = max_j z_j; ls = log(sum_j e^(z_j - m)); loss = -((z_y - m) - ls)
+//   with grad: z_j <- round_T(e^((z_j - m) - ls) * scale), and z_y <- round_T(e^((z_y - m) - ls) * scale -
+//   scale): the eager log_softmax backward of nll_loss's -scale at the label.
+// A row holding a NaN, or whose maximum is infinite, has no finite log-sum-exp: its loss and gradient are
+// NaN, as the eager log_softmax makes them.
+template <class T>
+void rows(T* z, int64_t ldz, int64_t V, const int64_t* target, Acc<T> scale, Acc<T>* loss, bool grad,
+          int64_t r0, int64_t r1) {
+  using A = Acc<T>;
+  using W = Vec<A>;
+  constexpr int64_t kUnroll = 4;  // independent accumulators: the max and the sum are latency-bound otherwise
+  const int64_t Vb = V - V % kBlock;
+  const int64_t Vu = V - V % (kBlock * kUnroll);
+  const A nan = std::numeric_limits<A>::quiet_NaN();
+  for (int64_t r = r0; r < r1; ++r) {
+    T* zr = z + r * ldz;
+    const int64_t y = target[r];
+    const A zy = to_acc<A>(zr[y]);
+    // Pass 1: the maximum, and whether any value is NaN (a NaN never wins a comparison).
+    W mx[kUnroll], bad{};
+    for (auto& v : mx) v = W{} - std::numeric_limits<A>::infinity();
+    for (int64_t i = 0; i < Vu; i += kBlock * kUnroll)
+      for (int u = 0; u < kUnroll; ++u) {
+        const W v = load<A>(zr + i + u * kBlock);
+        mx[u] = max_block(mx[u], v);
+        bad = v != v ? W{} + 1 : bad;
+      }
+    for (int64_t i = Vu; i < Vb; i += kBlock) {
+      const W v = load<A>(zr + i);
+      mx[0] = max_block(mx[0], v);
+      bad = v != v ? W{} + 1 : bad;
+    }
+    A m = -std::numeric_limits<A>::infinity();
+    bool has_nan = false;
+    for (int u = 0; u < kUnroll; ++u)
+      for (int j = 0; j < kBlock; ++j) m = std::max(m, mx[u][j]);
+    for (int j = 0; j < kBlock; ++j) has_nan = has_nan || bad[j] != 0;
+    for (int64_t i = Vb; i < V; ++i) {
+      const A v = to_acc<A>(zr[i]);
+      m = std::max(m, v);
+      has_nan = has_nan || v != v;
+    }
+    if (has_nan || std::isinf(m)) {
+      loss[r] = nan;
+      if (grad)
+        for (int64_t i = 0; i < V; ++i) zr[i] = from_acc<T>(nan);
+      continue;
+    }
+    // Pass 2: the sum of e^(z - m).
+    W sum[kUnroll] = {};
+    for (int64_t i = 0; i < Vu; i += kBlock * kUnroll)
+      for (int u = 0; u < kUnroll; ++u) sum[u] += exp_block(load<A>(zr + i + u * kBlock) - m);
+    for (int64_t i = Vu; i < Vb; i += kBlock) sum[0] += exp_block(load<A>(zr + i) - m);
+    A s = lane_sum((sum[0] + sum[1]) + (sum[2] + sum[3]));
+    for (int64_t i = Vb; i < V; ++i) s += exp_scalar(to_acc<A>(zr[i]) - m);
+    const A ls = std::log(s);
+    loss[r] = -((zy - m) - ls);
+    if (!grad) continue;
+    // Pass 3: the gradient over the logits, then the label's own term.
+    for (int64_t i = 0; i < Vb; i += kBlock) store(zr + i, exp_block((load<A>(zr + i) - m) - ls) * scale);
+    for (int64_t i = Vb; i < V; ++i) zr[i] = from_acc<T>(exp_scalar((to_acc<A>(zr[i]) - m) - ls) * scale);
+    zr[y] = from_acc<T>(exp_scalar((zy - m) - ls) * scale - scale);
+  }
+}
+
+}  // namespace
+
+void cross_entropy_rows(DType dtype, void* z, int64_t ldz, int64_t V, const int64_t* target, double scale,
+                        void* loss, bool grad, int64_t row_begin, int64_t row_end) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = Acc<T>;
+    rows<T>(static_cast<T*>(z), ldz, V, target, static_cast<A>(scale), static_cast<A*>(loss), grad, row_begin,
+            row_end);
+  });
+}
+
+}  // namespace KERNMAP_CPU_LEVEL
+}  // namespace kernmap::cpu

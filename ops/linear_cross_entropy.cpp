@@ -1,0 +1,348 @@
+// kernmap::linear_cross_entropy: transformers' ForCausalLMLoss of a linear LM head without the [N, V] logits.
+// Input checks, the CPU implementation (chunks of rows: BLAS products and the kernels/cpu cross-entropy
+// rows), Meta shapes, and autograd: when gradients are needed the forward computes them (each chunk's logits
+// become its softmax gradient in place, then feed the two gradient products), and the backward scales them by
+// the loss's incoming gradient — three products in all, as in Liger's fused linear cross-entropy.
+#include "ops/linear_cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorSubclassLikeUtils.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <tuple>
+#include <vector>
+
+#include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
+#include "ops/checks.h"
+#include "ops/memory.h"
+
+namespace kernmap::ops {
+
+void check_linear_cross_entropy(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                                const at::Tensor& labels, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& num_items_in_batch) {
+  check_floating(op, "hidden", hidden);
+  TORCH_CHECK(hidden.dim() == 2, "kernmap.", op, ": hidden must be [N, H], got shape ", hidden.sizes());
+  check_same_dtype(op, "hidden", hidden, "weight", weight);
+  check_same_device(op, "hidden", hidden, "weight", weight);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1) && weight.size(0) >= 1, "kernmap.", op,
+              ": weight must be [V, H] with V >= 1 and H = ", hidden.size(1),
+              " (hidden's last dimension), got ", weight.sizes());
+  check_same_device(op, "hidden", hidden, "labels", labels);
+  TORCH_CHECK(labels.scalar_type() == at::kLong, "kernmap.", op, ": labels must be int64, got ",
+              labels.scalar_type());
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == hidden.size(0), "kernmap.", op, ": labels must be [",
+              hidden.size(0), "] (one per row of hidden), got shape ", labels.sizes());
+  if (bias && bias->defined()) {
+    check_same_dtype(op, "hidden", hidden, "bias", *bias);
+    check_same_device(op, "hidden", hidden, "bias", *bias);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), "kernmap.", op, ": bias must be [",
+                weight.size(0), "] (weight's rows), got shape ", bias->sizes());
+  }
+  if (num_items_in_batch && num_items_in_batch->defined()) {
+    const at::Tensor& n = *num_items_in_batch;
+    TORCH_CHECK(n.numel() == 1, "kernmap.", op,
+                ": num_items_in_batch must be a number (a tensor of one element), got shape ", n.sizes());
+    TORCH_CHECK(!n.is_complex() && n.scalar_type() != at::kBool, "kernmap.", op,
+                ": num_items_in_batch must be a real number, got ", n.scalar_type());
+  }
+}
+
+namespace {
+
+constexpr const char* kOp = "linear_cross_entropy";
+
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The loss's dtype: float32, float64 for float64 inputs (transformers upcasts float64 logits to float32; kept
+// in float64 so that gradcheck measures the kernel, as for the other references).
+at::ScalarType loss_dtype(const at::Tensor& hidden) {
+  return acc_dtype(hidden.scalar_type());
+}
+
+const at::Tensor* defined(const std::optional<at::Tensor>& t) {
+  return t && t->defined() ? &*t : nullptr;
+}
+
+// The rows that count (label != ignore_index) and their labels, in row order. Throws for any other label
+// outside [0, V), naming the first.
+struct Targets {
+  std::vector<int64_t> row;
+  std::vector<int64_t> label;
+};
+
+Targets targets_of(const at::Tensor& labels, int64_t ignore_index, int64_t V) {
+  const at::Tensor l = labels.contiguous();
+  const int64_t* p = l.const_data_ptr<int64_t>();
+  Targets t;
+  for (int64_t i = 0; i < l.numel(); ++i) {
+    if (p[i] == ignore_index) continue;
+    TORCH_CHECK(p[i] >= 0 && p[i] < V, "kernmap.linear_cross_entropy: labels[", i, "] = ", p[i],
+                " is neither a class index in [0, ", V, ") (weight's rows) nor ignore_index (", ignore_index,
+                ")");
+    t.row.push_back(i);
+    t.label.push_back(p[i]);
+  }
+  return t;
+}
+
+// Rows per chunk (docs/ops.md, "Fused linear cross-entropy"): as many as the last-level cache holds in
+// logits, L3 / (V x element size) with sysconf's L3 size (32 MiB where it reports none), and at least 256:
+// with fewer the products stream the weight and its gradient from memory once a chunk for too little
+// arithmetic. KERNMAP_LCE_CHUNK_ROWS sets it (tests, tuning).
+int64_t chunk_rows(int64_t V, int64_t element_size) {
+  if (const char* v = std::getenv("KERNMAP_LCE_CHUNK_ROWS")) {
+    char* end = nullptr;
+    const long long rows = std::strtoll(v, &end, 10);
+    TORCH_CHECK(end != v && *end == '\0' && rows >= 1,
+                "kernmap: KERNMAP_LCE_CHUNK_ROWS must be a whole number of rows >= 1, got '", v, "'");
+    return rows;
+  }
+  static const int64_t llc = [] {
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return l3 > 0 ? static_cast<int64_t>(l3) : int64_t{32} << 20;
+  }();
+  return std::max<int64_t>(256, llc / (V * element_size));
+}
+
+Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                  const std::optional<at::Tensor>& bias_opt, int64_t ignore_index,
+                  const std::optional<at::Tensor>& num_items_opt, std::array<bool, 3> output_mask) {
+  check_linear_cross_entropy(kOp, hidden, weight, labels, bias_opt, num_items_opt);
+  const at::Tensor* bias = defined(bias_opt);
+  const at::Tensor* num_items = defined(num_items_opt);
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  const at::ScalarType acc_t = loss_dtype(hidden);
+  const bool want_gh = output_mask[0], want_gw = output_mask[1], want_gb = output_mask[2] && bias;
+  const bool grad = want_gh || want_gw || want_gb;
+
+  const Targets t = targets_of(labels, ignore_index, V);
+  const int64_t n = static_cast<int64_t>(t.row.size());
+  // transformers divides the loss by the count (mean) or by num_items_in_batch, in the loss's dtype; the
+  // gradient of each counted row's loss is then 1 / that (times the loss's incoming gradient, applied by the
+  // backward).
+  const double count = num_items ? num_items->item<double>() : static_cast<double>(n);
+  const double denominator = acc_t == at::kFloat ? static_cast<double>(static_cast<float>(count)) : count;
+  const double scale =
+      acc_t == at::kFloat ? static_cast<double>(1.0f / static_cast<float>(denominator)) : 1.0 / denominator;
+
+  at::Tensor gh = want_gh ? at::zeros({N, H}, hidden.options()) : at::Tensor();
+  // The weight gradient and the chunk buffer come from the large-block cache (ops/memory.h): a training step
+  // asks for the same sizes again, and fresh memory costs a page fault per 4 KiB (measured on the development
+  // VM: 336 MB written fresh ~500 ms, reused ~70-100 ms; a forward+backward at H 896, V 151936 takes ~10 s).
+  at::Tensor gw = want_gw ? empty_large({V, H}, weight.options()) : at::Tensor();
+  at::Tensor gb_acc = want_gb ? at::zeros({V}, hidden.options().dtype(acc_t)) : at::Tensor();
+  if (want_gw && n == 0) gw.zero_();
+  at::Tensor row_loss = at::empty({n}, hidden.options().dtype(acc_t));
+
+  const int64_t C = std::min(chunk_rows(V, hidden.element_size()), n);
+  at::Tensor z_buf = empty_large({C, V}, hidden.options());
+  const at::Tensor rows = at::from_blob(const_cast<int64_t*>(t.row.data()), {n}, at::kLong);
+  const auto& k = cpu::kernel_table();
+  const cpu::DType dt = cpu_dtype(hidden.scalar_type());
+  const at::Tensor wt = weight.t();
+  for (int64_t c0 = 0; c0 < n; c0 += C) {
+    const int64_t c = std::min(C, n - c0);
+    // Rows of one run of consecutive counted rows are read in place; others are gathered.
+    const bool run = t.row[c0 + c - 1] - t.row[c0] == c - 1;
+    const at::Tensor idx = rows.narrow(0, c0, c);
+    const at::Tensor hc = run ? hidden.narrow(0, t.row[c0], c) : hidden.index_select(0, idx);
+    at::Tensor z = z_buf.narrow(0, 0, c);
+    if (bias) {
+      at::addmm_out(z, *bias, hc, wt);
+    } else {
+      at::mm_out(z, hc, wt);
+    }
+    at::parallel_for(0, c, 1, [&](int64_t r0, int64_t r1) {
+      k.cross_entropy_rows(dt, z.data_ptr(), V, V, t.label.data() + c0, scale,
+                           static_cast<char*>(row_loss.data_ptr()) + c0 * row_loss.element_size(), grad, r0,
+                           r1);
+    });
+    if (!grad) continue;
+    if (want_gh) {
+      if (run) {
+        at::Tensor out = gh.narrow(0, t.row[c0], c);
+        at::mm_out(out, z, weight);
+      } else {
+        gh.index_copy_(0, idx, at::mm(z, weight));
+      }
+    }
+    if (want_gw) {
+      if (c0 == 0) {
+        at::mm_out(gw, z.t(), hc);
+      } else {
+        gw.addmm_(z.t(), hc);
+      }
+    }
+    if (want_gb) gb_acc.add_(z.sum(0, /*keepdim=*/false, acc_t));
+  }
+  // The counted rows' losses summed in row order in float64, then divided in the loss's dtype.
+  double sum = 0;
+  const at::Tensor rl = row_loss.to(at::kDouble);
+  for (int64_t i = 0; i < n; ++i) sum += rl.const_data_ptr<double>()[i];
+  at::Tensor loss = at::scalar_tensor(sum, hidden.options().dtype(acc_t)) / denominator;
+  at::Tensor gb = want_gb ? gb_acc.to(hidden.scalar_type()) : at::Tensor();
+  return {loss, gh, gw, gb};
+}
+
+Grads forward_meta(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                   const std::optional<at::Tensor>& bias_opt, int64_t ignore_index,
+                   const std::optional<at::Tensor>& num_items_opt, std::array<bool, 3> output_mask) {
+  check_linear_cross_entropy(kOp, hidden, weight, labels, bias_opt, num_items_opt);
+  const at::Tensor* bias = defined(bias_opt);
+  return {at::empty({}, hidden.options().dtype(loss_dtype(hidden))),
+          output_mask[0] ? at::empty(hidden.sizes(), hidden.options()) : at::Tensor(),
+          output_mask[1] ? at::empty(weight.sizes(), weight.options()) : at::Tensor(),
+          output_mask[2] && bias ? at::empty(bias->sizes(), bias->options()) : at::Tensor()};
+}
+
+at::Tensor loss_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                    const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                    const std::optional<at::Tensor>& num_items) {
+  return std::get<0>(
+      forward_cpu(hidden, weight, labels, bias, ignore_index, num_items, {false, false, false}));
+}
+at::Tensor loss_meta(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                     const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                     const std::optional<at::Tensor>& num_items) {
+  return std::get<0>(
+      forward_meta(hidden, weight, labels, bias, ignore_index, num_items, {false, false, false}));
+}
+
+auto& forward_op() {
+  static auto op = op_handle<Grads(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+      const std::optional<at::Tensor>&, std::array<bool, 3>)>("kernmap::linear_cross_entropy_forward");
+  return op;
+}
+
+// grad * g, in place in g when both are plain tensors (g is the forward's saved gradient, used only here: a
+// second backward through a retained graph then fails autograd's saved-tensor version check instead of seeing
+// a scaled gradient), out of place when traced (fake or functional tensors, torch.compile).
+at::Tensor scaled(const at::Tensor& g, const at::Tensor& grad) {
+  if (!g.defined()) return g;
+  if (at::isTensorSubclassLike(g) || at::isTensorSubclassLike(grad)) return g * grad.to(g.scalar_type());
+  if (grad.item<double>() != 1.0) g.mul_(grad.to(g.scalar_type()));
+  return g;
+}
+
+// bias and num_items_in_batch are optionals: an undefined tensor cannot be a custom Function's input.
+class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
+                            const at::Tensor& weight, const at::Tensor& labels,
+                            const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                            const std::optional<at::Tensor>& num_items, std::array<bool, 3> mask) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [loss, gh, gw, gb] = forward_op().call(hidden, weight, labels, bias, ignore_index, num_items, mask);
+    ctx->save_for_backward({gh, gw, gb});
+    return loss;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& grad = grads[0];
+    return {scaled(saved[0], grad), scaled(saved[1], grad), at::Tensor(), scaled(saved[2], grad),
+            at::Tensor(),           at::Tensor(),           at::Tensor()};
+  }
+};
+
+at::Tensor loss_autograd(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                         const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                         const std::optional<at::Tensor>& num_items) {
+  // Gradients are computed only for the inputs that need them, and only when autograd records.
+  const bool on = at::GradMode::is_enabled();
+  const at::Tensor* b = defined(bias);
+  const std::array<bool, 3> mask = {on && hidden.requires_grad(), on && weight.requires_grad(),
+                                    on && b && b->requires_grad()};
+  return LinearCrossEntropyFunction::apply(hidden, weight, labels, bias, ignore_index, num_items, mask);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kernmap, CPU, m) {
+  m.impl("linear_cross_entropy", &loss_cpu);
+  m.impl("linear_cross_entropy_forward", &forward_cpu);
+}
+TORCH_LIBRARY_IMPL(kernmap, Meta, m) {
+  m.impl("linear_cross_entropy", &loss_meta);
+  m.impl("linear_cross_entropy_forward", &forward_meta);
+}
+TORCH_LIBRARY_IMPL(kernmap, Autograd, m) {
+  m.impl("linear_cross_entropy", &loss_autograd);
+}
+
+}  // namespace kernmap::ops
+
+// ---- reference kernel: the transformers eager math in ATen ops (any device, autograd through ATen) ----
+
+namespace kernmap::reference {
+
+// transformers' ForCausalLMLoss (loss/loss_utils.py) of lm_head(hidden), labels already shifted: the logits
+// in the input dtype, .float(), cross_entropy with ignore_index, mean, or sum / num_items_in_batch (cast to
+// the loss's dtype, as an integer count is in transformers' division). float64 stays float64 (see rms_norm).
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                                const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                                const std::optional<at::Tensor>& num_items_in_batch) {
+  ops::check_linear_cross_entropy("reference_linear_cross_entropy", hidden, weight, labels, bias,
+                                  num_items_in_batch);
+  const at::Tensor logits =
+      at::linear(hidden, weight, bias).to(at::promote_types(at::kFloat, hidden.scalar_type()));
+  if (!num_items_in_batch || !num_items_in_batch->defined())
+    return at::cross_entropy_loss(logits, labels, std::nullopt, at::Reduction::Mean, ignore_index);
+  const at::Tensor sum =
+      at::cross_entropy_loss(logits, labels, std::nullopt, at::Reduction::Sum, ignore_index);
+  return sum / num_items_in_batch->reshape({}).to(sum.device(), sum.scalar_type());
+}
+
+}  // namespace kernmap::reference
+
+namespace kernmap::ops {
+
+TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
+  m.impl("reference_linear_cross_entropy", &kernmap::reference::linear_cross_entropy);
+}
+
+// The layer record (DESIGN §2), under transformers' name for the causal-LM loss of lm_head's output.
+const LayerRegistrar kForCausalLMLossLayer(
+    "ForCausalLMLoss",
+    KernelDescriptor{
+        .name = "reference/linear_cross_entropy",
+        .devices = {"*"},
+        .dtypes = floating_dtypes(),
+        .has_backward = true,
+        .compile_safe = true,
+        .op = "kernmap::reference_linear_cross_entropy",
+        .description = "transformers ForCausalLMLoss of lm_head(hidden) (ATen ops, [N, V] logits)"},
+    {{KernelDescriptor{
+          .name = "kernmap/linear_cross_entropy",
+          .devices = {"cpu"},
+          .dtypes = floating_dtypes(),
+          .has_backward = true,
+          .compile_safe = true,
+          .op = "kernmap::linear_cross_entropy",
+          .description = "LM head + cross-entropy by chunks of rows, gradients in the forward, no "
+                         "[N, V] logits"},
+      /*default_on=*/{"cpu"}}});
+
+}  // namespace kernmap::ops
+
+namespace kernmap {
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                                const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                                const std::optional<at::Tensor>& num_items_in_batch) {
+  static auto op =
+      ops::op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&)>(
+          "kernmap::linear_cross_entropy");
+  return op.call(hidden, weight, labels, bias, ignore_index, num_items_in_batch);
+}
+}  // namespace kernmap
