@@ -64,6 +64,7 @@ class LargeBlockCache final : public c10::Allocator {
     const size_t bytes = (std::max<size_t>(n, 1) + kAlign - 1) / kAlign * kAlign;
     Block* b = take(bytes);
     if (!b) b = map_block(bytes);
+    count_large_block(static_cast<int64_t>(b->bytes));
     return {b->data, b, &LargeBlockCache::free_block, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -97,7 +98,11 @@ class LargeBlockCache final : public c10::Allocator {
   }
 
  private:
-  static void free_block(void* ctx) { get().put(static_cast<Block*>(ctx)); }
+  static void free_block(void* ctx) {
+    auto* b = static_cast<Block*>(ctx);
+    count_large_block(-static_cast<int64_t>(b->bytes));
+    get().put(b);
+  }
 
   // The most recently freed block of this size (few blocks are cached: a linear search).
   Block* take(size_t bytes) {

@@ -29,4 +29,7 @@ int64_t release_large_cache();
 /// applicable, or with KERNMAP_HUGE_PAGES=0.
 bool advise_huge_pages(const at::Tensor& t);
 
+/// Adds a large block's bytes to the count of CPU memory in use (kernmap/memory.h; negative when freed).
+void count_large_block(int64_t bytes);
+
 }  // namespace kernmap::ops
