@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <cstdio>
+
 #include "cli/bench.h"
 #include "kernmap/memory.h"
 #include "kernmap/ops.h"
@@ -18,8 +20,11 @@ struct MoeShape {
 const MoeShape kShapes[] = {{128, 8, 2048, 768, 256}, {128, 8, 2048, 768, 2048}, {60, 4, 2048, 1408, 1024}};
 
 std::string describe(const MoeShape& s) {
-  return "E" + std::to_string(s.E) + " k" + std::to_string(s.k) + " H" + std::to_string(s.H) + " I" +
-         std::to_string(s.I) + " T" + std::to_string(s.T);
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "E%lld k%lld H%lld I%lld T%lld", static_cast<long long>(s.E),
+                static_cast<long long>(s.k), static_cast<long long>(s.H), static_cast<long long>(s.I),
+                static_cast<long long>(s.T));
+  return buf;
 }
 
 // Each token picks k distinct experts uniformly (a random permutation's first k), as a trained router would

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <CLI/CLI.hpp>
 
 #include <malloc.h>
 #include <unistd.h>
@@ -14,12 +15,15 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <memory>
 #include <regex>
 #include <stdexcept>
 #include <string>
 
 #include "cli/bench.h"
 #include "cli/commands.h"
+#include "cli/json_output.h"
+#include "cli/options.h"
 #include "cli/table.h"
 #include "kernels/cpu/isa.h"
 #include "kernmap/memory.h"
@@ -78,50 +82,6 @@ double copy_gbps(const Options& o) {
   return 2.0 * n * 4 / (t.median_ms * 1e6);
 }
 
-Options parse(const std::vector<std::string>& args) {
-  if (args.empty() || args[0] != "ops")
-    throw std::invalid_argument("expected 'bench ops', got 'bench" + (args.empty() ? "" : " " + args[0]) +
-                                "'");
-  Options o;
-  for (size_t i = 1; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= args.size()) throw std::invalid_argument(a + " needs a value");
-      return args[++i];
-    };
-    auto count = [&](int lo) {
-      const std::string v = value();
-      int n = 0;
-      try {
-        n = std::stoi(v);
-      } catch (const std::exception&) {
-        throw std::invalid_argument(a + " must be an integer, got '" + v + "'");
-      }
-      if (n < lo) throw std::invalid_argument(a + " must be >= " + std::to_string(lo) + ", got " + v);
-      return n;
-    };
-    if (a == "--json") {
-      o.json = true;
-    } else if (a == "--filter") {
-      o.filter = value();
-    } else if (a == "--shape") {
-      o.shape = value();
-    } else if (a == "--impl") {
-      o.impl = value();
-    } else if (a == "--warmup") {
-      o.warmup = count(0);
-    } else if (a == "--reps") {
-      o.reps = count(1);
-    } else {
-      throw std::invalid_argument("unknown option '" + a +
-                                  "' (expected --json, --filter, --shape, --impl, --warmup, --reps)");
-    }
-  }
-  return o;
-}
-
-}  // namespace
-
 // glibc returns every block over 32 MiB to the OS on free, so each large output would be page-faulted in
 // (and zeroed by the kernel) on every call: a cost of the allocator, not of the op. Training frameworks avoid
 // it (caching allocators, jemalloc); the benchmark keeps freed memory in the process for every implementation
@@ -152,8 +112,7 @@ struct Row {
   Timing t;
 };
 
-int bench_command(const std::vector<std::string>& args) {
-  const Options o = parse(args);
+int bench_command(const Options& o) {
   keep_freed_memory();
   auto regex_of = [](const char* flag, const std::string& text) {
     try {
@@ -239,29 +198,32 @@ int bench_command(const std::vector<std::string>& args) {
     return r.t.median_ms;
   };
   if (o.json) {
-    std::string out = "{\"machine\": {\"copy_gbps\": " + fixed(copy, 2) + ", \"dense_gflops\": {";
-    bool first = true;
-    for (const auto& [dt, g] : peak) {
-      out += std::string(first ? "" : ", ") + json_string(dt) + ": " + fixed(g, 1);
-      first = false;
+    Json results = Json::array();
+    for (const Row& r : rows) {
+      Json row = {{"op", r.c.op},
+                  {"pass", r.c.pass},
+                  {"dtype", r.c.dtype},
+                  {"shape", r.c.shape},
+                  {"impl", r.impl},
+                  {"median_ms", r.t.median_ms},
+                  {"min_ms", r.t.min_ms},
+                  {"max_ms", r.t.max_ms},
+                  {"gbps", gbps(r)},
+                  {"pct_of_copy", 100 * gbps(r) / copy},
+                  {"speedup_vs_reference", reference_ms(r) / r.t.median_ms},
+                  {"floor_ms", floor_ms(r)},
+                  {"x_floor", r.t.median_ms / floor_ms(r)}};
+      if (r.c.flops > 0) row["gflops"] = gflops(r);
+      results.push_back(std::move(row));
     }
-    out += "}, \"threads\": " + std::to_string(at::get_num_threads()) +
-           ", \"cpu_level\": " + json_string(cpu::level_name(cpu::active_level())) + "}, \"results\": [";
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      out += std::string(i ? ", " : "") + "{\"op\": " + json_string(r.c.op) +
-             ", \"pass\": " + json_string(r.c.pass) + ", \"dtype\": " + json_string(r.c.dtype) +
-             ", \"shape\": " + json_string(r.c.shape) + ", \"impl\": " + json_string(r.impl) +
-             ", \"median_ms\": " + fixed(r.t.median_ms, 4) + ", \"min_ms\": " + fixed(r.t.min_ms, 4) +
-             ", \"max_ms\": " + fixed(r.t.max_ms, 4) + ", \"gbps\": " + fixed(gbps(r), 2) +
-             ", \"pct_of_copy\": " + fixed(100 * gbps(r) / copy, 1) +
-             ", \"speedup_vs_reference\": " + fixed(reference_ms(r) / r.t.median_ms, 3) +
-             ", \"floor_ms\": " + fixed(floor_ms(r), 4) +
-             ", \"x_floor\": " + fixed(r.t.median_ms / floor_ms(r), 3);
-      if (r.c.flops > 0) out += ", \"gflops\": " + fixed(gflops(r), 1);
-      out += "}";
-    }
-    std::printf("%s]}\n", out.c_str());
+    Json dense = Json::object();
+    for (const auto& [dt, g] : peak) dense[dt] = g;
+    print_json({{"machine",
+                 {{"copy_gbps", copy},
+                  {"dense_gflops", dense},
+                  {"threads", at::get_num_threads()},
+                  {"cpu_level", cpu::level_name(cpu::active_level())}}},
+                {"results", results}});
     return 0;
   }
   std::printf("machine: copy bandwidth %.1f GB/s (read + write)", copy);
@@ -281,6 +243,34 @@ int bench_command(const std::vector<std::string>& args) {
                       fixed(reference_ms(r) / r.t.median_ms, 2) + "x"});
   std::printf("%s", t.render().c_str());
   return 0;
+}
+
+}  // namespace
+
+Command add_bench_command(CLI::App& parent) {
+  CLI::App* bench = parent.add_subcommand("bench", "kernel benchmarks (kernmap bench ops --help)");
+  bench->require_subcommand(0, 1);
+  CLI::App* ops = bench->add_subcommand(
+      "ops",
+      "kernmap kernels against the reference, with GB/s and % of the machine's measured copy bandwidth");
+  ops->group("Commands")->fallthrough();
+  auto o = std::make_shared<Options>();
+  ops->add_flag("--json", o->json, "one JSON document instead of the table");
+  add_text(*ops, "--filter", o->filter, "REGEX", "a regular expression",
+           "the op/dtype pairs to run (a regular expression over \"rms_norm/bfloat16\" and the like)");
+  add_text(*ops, "--shape", o->shape, "REGEX", "a regular expression",
+           "the shapes to run (over \"[4096, 3584]\", \"E128 k8 H2048 I768 T256\" and the like)");
+  add_text(*ops, "--impl", o->impl, "REGEX", "a regular expression",
+           "the implementations to time (over \"experts/fwd+bwd/reference\" and the like)");
+  // Every repetition runs the op once more and keeps its time: a hundred thousand of the fastest case take
+  // minutes, of the MoE cases hours.
+  add_integer(*ops, "--warmup", o->warmup, 0, 100000, "untimed runs of each implementation first");
+  add_integer(*ops, "--reps", o->reps, 1, 100000,
+              "timed runs of each implementation, whose median is reported");
+  auto check = [ops] {
+    if (!ops->parsed()) throw UsageError("expected 'bench ops', got 'bench'");
+  };
+  return {bench, check, [o] { return bench_command(*o); }};
 }
 
 }  // namespace kernmap::cli

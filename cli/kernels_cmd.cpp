@@ -1,11 +1,15 @@
 // `kernmap kernels`: the registered kernels, the CPU instruction-set level, what each layer resolves to on
 // each device and mode, with the reason, and the kernel repositories: what their packages offer, what was
 // loaded and why anything was not. Also the plugin load every command does first.
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
-#include <stdexcept>
+#include <memory>
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/json_output.h"
+#include "cli/options.h"
 #include "cli/table.h"
 #include "kernels/cpu/isa.h"
 #include "kernmap/plugins.h"
@@ -13,19 +17,6 @@
 
 namespace kernmap::cli {
 namespace {
-
-std::string join(const std::vector<std::string>& v, const char* sep) {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
-  return out;
-}
-
-std::vector<std::string> known_layers() {
-  std::vector<std::string> out;
-  for (const KernelDescriptor* k : registered_kernels())
-    if (k->provider() == "reference") out.push_back(k->layer);
-  return out;
-}
 
 const std::vector<std::string> kDevices = {"cpu", "cuda", "npu"};
 const std::vector<Mode> kModes = {Mode::kInference, Mode::kTraining, Mode::kTraining | Mode::kCompile};
@@ -61,6 +52,65 @@ void print_plugins(const LoadReport& report) {
   }
 }
 
+Json kernels_json(const std::string& active, const std::vector<std::string>& levels) {
+  Json kernels = Json::array();
+  for (const KernelDescriptor* k : registered_kernels())
+    kernels.push_back({{"name", k->name},
+                       {"layer", k->layer},
+                       {"devices", k->devices},
+                       {"dtypes", k->dtypes},
+                       {"has_backward", k->has_backward},
+                       {"compile_safe", k->compile_safe},
+                       {"deterministic", k->deterministic},
+                       {"op", k->op}});
+  Json resolution = Json::array();
+  for (const auto& layer : registered_layers())
+    for (const auto& dev : kDevices)
+      for (Mode m : kModes) {
+        const Decision d = resolve(layer, dev, m);
+        resolution.push_back({{"layer", layer},
+                              {"device", dev},
+                              {"mode", to_string(m)},
+                              {"kernel", d.kernel ? d.kernel->name : ""},
+                              {"fallback", d.fallback},
+                              {"reason", d.reason}});
+      }
+  return {{"cpu", {{"level", active}, {"supported", levels}}},
+          {"kernels", kernels},
+          {"resolution", resolution},
+          {"plugins", Json::parse(plugin_report().to_json())}};
+}
+
+int kernels_command(bool json) {
+  std::vector<std::string> levels;
+  for (cpu::Level l : cpu::supported_levels()) levels.push_back(cpu::level_name(l));
+  const std::string active = cpu::level_name(cpu::active_level());
+
+  if (json) {
+    print_json(kernels_json(active, levels));
+    return 0;
+  }
+
+  std::printf("CPU instruction set: %s (this CPU runs: %s; KERNMAP_CPU_ISA caps it)\n\n", active.c_str(),
+              join(levels, ", ").c_str());
+  Table kernels{{"kernel", "layer", "devices", "dtypes", "backward", "compile", "deterministic"}, {}};
+  for (const KernelDescriptor* k : registered_kernels())
+    kernels.rows.push_back({k->name, k->layer, join(k->devices, ","), join(k->dtypes, ","),
+                            k->has_backward ? "yes" : "no", k->compile_safe ? "yes" : "no",
+                            k->deterministic ? "yes" : "no"});
+  std::printf("Registered kernels\n%s\n", kernels.render().c_str());
+  Table res{{"layer", "device", "mode", "kernel", "why"}, {}};
+  for (const auto& layer : registered_layers())
+    for (const auto& dev : kDevices)
+      for (Mode m : kModes) {
+        const Decision d = resolve(layer, dev, m);
+        res.rows.push_back({layer, dev, to_string(m), d.kernel ? d.kernel->name : "-", d.reason});
+      }
+  std::printf("Resolution on this machine\n%s", res.render().c_str());
+  print_plugins(plugin_report());
+  return 0;
+}
+
 }  // namespace
 
 void load_env_plugins() {
@@ -76,72 +126,14 @@ void load_env_plugins() {
       std::fprintf(stderr, "kernmap: kernel repository %s: %s\n", r.path.c_str(), r.error.c_str());
 }
 
-int kernels_command(const std::vector<std::string>& args) {
-  bool json = false;
-  for (const auto& a : args) {
-    if (a == "--json") {
-      json = true;
-    } else {
-      throw std::invalid_argument("unknown option '" + a + "' (expected --json)");
-    }
-  }
-  std::vector<std::string> levels;
-  for (cpu::Level l : cpu::supported_levels()) levels.push_back(cpu::level_name(l));
-  const std::string active = cpu::level_name(cpu::active_level());
-
-  if (json) {
-    std::string out = "{\"cpu\": {\"level\": " + json_string(active) + ", \"supported\": [";
-    for (size_t i = 0; i < levels.size(); ++i) out += (i ? ", " : "") + json_string(levels[i]);
-    out += "]}, \"kernels\": [";
-    bool first = true;
-    for (const KernelDescriptor* k : registered_kernels()) {
-      std::vector<std::string> devs, dts;
-      for (const auto& d : k->devices) devs.push_back(json_string(d));
-      for (const auto& d : k->dtypes) dts.push_back(json_string(d));
-      out += std::string(first ? "" : ", ") + "{\"name\": " + json_string(k->name) +
-             ", \"layer\": " + json_string(k->layer) + ", \"devices\": [" + join(devs, ", ") +
-             "], \"dtypes\": [" + join(dts, ", ") +
-             "], \"has_backward\": " + (k->has_backward ? "true" : "false") +
-             ", \"compile_safe\": " + (k->compile_safe ? "true" : "false") +
-             ", \"deterministic\": " + (k->deterministic ? "true" : "false") +
-             ", \"op\": " + json_string(k->op) + "}";
-      first = false;
-    }
-    out += "], \"resolution\": [";
-    first = true;
-    for (const auto& layer : known_layers())
-      for (const auto& dev : kDevices)
-        for (Mode m : kModes) {
-          const Decision d = resolve(layer, dev, m);
-          out += std::string(first ? "" : ", ") + "{\"layer\": " + json_string(layer) +
-                 ", \"device\": " + json_string(dev) + ", \"mode\": " + json_string(to_string(m)) +
-                 ", \"kernel\": " + json_string(d.kernel ? d.kernel->name : "") +
-                 ", \"fallback\": " + (d.fallback ? "true" : "false") +
-                 ", \"reason\": " + json_string(d.reason) + "}";
-          first = false;
-        }
-    std::printf("%s], \"plugins\": %s}\n", out.c_str(), plugin_report().to_json().c_str());
-    return 0;
-  }
-
-  std::printf("CPU instruction set: %s (this CPU runs: %s; KERNMAP_CPU_ISA caps it)\n\n", active.c_str(),
-              join(levels, ", ").c_str());
-  Table kernels{{"kernel", "layer", "devices", "dtypes", "backward", "compile", "deterministic"}, {}};
-  for (const KernelDescriptor* k : registered_kernels())
-    kernels.rows.push_back({k->name, k->layer, join(k->devices, ","), join(k->dtypes, ","),
-                            k->has_backward ? "yes" : "no", k->compile_safe ? "yes" : "no",
-                            k->deterministic ? "yes" : "no"});
-  std::printf("Registered kernels\n%s\n", kernels.render().c_str());
-  Table res{{"layer", "device", "mode", "kernel", "why"}, {}};
-  for (const auto& layer : known_layers())
-    for (const auto& dev : kDevices)
-      for (Mode m : kModes) {
-        const Decision d = resolve(layer, dev, m);
-        res.rows.push_back({layer, dev, to_string(m), d.kernel ? d.kernel->name : "-", d.reason});
-      }
-  std::printf("Resolution on this machine\n%s", res.render().c_str());
-  print_plugins(plugin_report());
-  return 0;
+Command add_kernels_command(CLI::App& parent) {
+  CLI::App* app =
+      parent.add_subcommand("kernels",
+                            "registered kernels, what each layer resolves to here, and the plugin "
+                            "packages of KERNMAP_PATH: offered, loaded, or why not");
+  auto json = std::make_shared<bool>(false);
+  app->add_flag("--json", *json, "one JSON document instead of tables");
+  return {app, [] {}, [json] { return kernels_command(*json); }};
 }
 
 }  // namespace kernmap::cli

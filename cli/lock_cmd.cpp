@@ -1,6 +1,8 @@
 // `kernmap lock DIR`: pins every package of a kernel repository in DIR/kernmap.lock.
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
-#include <stdexcept>
+#include <memory>
 #include <string>
 
 #include "cli/commands.h"
@@ -8,15 +10,19 @@
 
 namespace kernmap::cli {
 
-int lock_command(const std::vector<std::string>& args) {
-  if (args.size() != 1 || args[0].empty() || args[0][0] == '-') {
-    throw std::invalid_argument(
-        "expected exactly one argument, the repository folder (kernmap lock DIR), got " +
-        std::to_string(args.size()) + (args.empty() ? "" : " starting with '" + args[0] + "'"));
-  }
-  const std::string text = write_lock(args[0]);
-  std::printf("wrote %s/kernmap.lock:\n%s", args[0].c_str(), text.c_str());
-  return 0;
+Command add_lock_command(CLI::App& parent) {
+  CLI::App* app = parent.add_subcommand(
+      "lock",
+      "write DIR/kernmap.lock pinning each package of the kernel repository DIR (name, version, sha256 of "
+      "each library)");
+  auto dir = std::make_shared<std::string>();
+  app->add_option("DIR", *dir, "the kernel repository folder")->type_name("")->required();
+  auto run = [dir] {
+    const std::string text = write_lock(*dir);
+    std::printf("wrote %s/kernmap.lock:\n%s", dir->c_str(), text.c_str());
+    return 0;
+  };
+  return {app, [] {}, run};
 }
 
 }  // namespace kernmap::cli

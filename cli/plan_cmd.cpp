@@ -1,52 +1,66 @@
 // `kernmap plan`: the kernelize Report for a model, without running it. The model is built on the meta device
 // (structure and shapes, no memory, no weights read), then kernelized for the requested device and mode.
 #include <ATen/core/TensorBody.h>
+#include <c10/core/DeviceType.h>
+#include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cli/commands.h"
+#include "cli/json_output.h"
+#include "cli/options.h"
 #include "cli/table.h"
 #include "kernmap/models.h"
+#include "kernmap/registry.h"
 
 namespace kernmap::cli {
+namespace {
 
-int plan_command(const std::vector<std::string>& args) {
+// Every mode kernels resolve for (parse_mode's spellings).
+const Mode kModes[] = {Mode::kInference, Mode::kTraining, Mode::kInference | Mode::kCompile,
+                       Mode::kTraining | Mode::kCompile, Mode::kFallback};
+
+struct PlanArgs {
   std::string preset, model_dir, device = "cpu";
   Mode mode = Mode::kTraining;
   bool json = false;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> const std::string& {
-      if (i + 1 >= args.size()) throw std::invalid_argument(a + " needs a value");
-      return args[++i];
-    };
-    if (a == "--preset") {
-      preset = value();
-    } else if (a == "--model") {
-      model_dir = value();
-    } else if (a == "--mode") {
-      mode = parse_mode(value());
-    } else if (a == "--device") {
-      device = value();
-    } else if (a == "--json") {
-      json = true;
-    } else {
-      throw std::invalid_argument("unknown option '" + a +
-                                  "' (expected --preset NAME | --model DIR, --mode, --device, --json)");
-    }
-  }
-  if (preset.empty() == model_dir.empty())
-    throw std::invalid_argument(
-        "give exactly one of --preset NAME (one of qwen2-tiny, qwen2-moe-tiny, "
-        "qwen3-moe-tiny) or --model DIR");
+};
 
-  const ModelConfig config = preset.empty() ? ModelConfig::from_dir(model_dir) : preset_config(preset);
+// The device names plan accepts: torch's device types as torch.device spells them (c10's names, the
+// PrivateUse1 backend's registered name included), every device a registered kernel names (plugins included),
+// and two that a C++ process's torch does not know: "npu" (torch_npu's PrivateUse1 name, registered only when
+// torch_npu is imported) and "rocm" (the Hugging Face `kernels` library's name for AMD GPUs, which torch
+// calls cuda).
+std::vector<std::string> known_devices() {
+  std::set<std::string> out = {"npu", "rocm"};
+  for (int t = 0; t < c10::COMPILE_TIME_MAX_DEVICE_TYPES; ++t)
+    if (const auto type = static_cast<c10::DeviceType>(t); c10::isValidDeviceType(type))
+      out.insert(c10::DeviceTypeName(type, /*lower_case=*/true));
+  for (const KernelDescriptor* k : registered_kernels())
+    for (const std::string& d : k->devices)
+      if (d != "*") out.insert(d);
+  return {out.begin(), out.end()};
+}
+
+void check_device(const std::string& device) {
+  const std::vector<std::string> known = known_devices();
+  if (std::find(known.begin(), known.end(), device) == known.end())
+    throw UsageError(bad_value("--device", "a torch device type (" + join(known) + ")", device));
+}
+
+int plan_command(const PlanArgs& a) {
+  check_device(a.device);
+  const ModelConfig config = a.preset.empty() ? ModelConfig::from_dir(a.model_dir) : preset_config(a.preset);
   const auto model = make_model(config, at::TensorOptions().device(at::kMeta));
-  const Report report = kernelize(*model, device, mode);
-  if (json) {
-    std::fputs((report.json() + "\n").c_str(), stdout);
+  const Report report = kernelize(*model, a.device, a.mode);
+  if (a.json) {
+    print_json(Json::parse(report.json()));
     return 0;
   }
   Table table{{"module", "layer", "kernel", "reason"}, {}};
@@ -56,11 +70,46 @@ int plan_command(const std::vector<std::string>& args) {
     mapped += e.fallback ? 0 : 1;
   }
   std::printf("%s (%s) on %s, %s: %zu of %zu kernel layers mapped to a kernel, %zu on the reference\n\n",
-              preset.empty() ? model_dir.c_str() : preset.c_str(), config.model_type.c_str(),
-              report.device.c_str(), to_string(mode).c_str(), mapped, report.entries.size(),
+              a.preset.empty() ? a.model_dir.c_str() : a.preset.c_str(), config.model_type.c_str(),
+              report.device.c_str(), to_string(a.mode).c_str(), mapped, report.entries.size(),
               report.entries.size() - mapped);
   std::fputs(table.render().c_str(), stdout);
   return 0;
+}
+
+}  // namespace
+
+Command add_plan_command(CLI::App& parent) {
+  CLI::App* app = parent.add_subcommand(
+      "plan",
+      "the kernel each layer of a model gets here, and why (the kernelize report), without running it");
+  auto args = std::make_shared<PlanArgs>();
+  add_text(*app, "--preset", args->preset, "NAME", "a preset name (" + join(preset_names()) + ")",
+           "a built-in model: " + join(preset_names()));
+  add_text(*app, "--model", args->model_dir, "DIR", "a folder (config.json and safetensors)",
+           "a checkpoint folder (config.json and safetensors)");
+  std::vector<std::string> modes;
+  for (Mode m : kModes) modes.push_back(to_string(m));
+  add_value(
+      *app, "--mode", "MODE", "one of " + join(modes),
+      [args](const std::string& v) {
+        for (Mode m : kModes)
+          if (v == to_string(m)) {
+            args->mode = m;
+            return;
+          }
+        throw std::invalid_argument("not a mode");
+      },
+      "the mode kernels are resolved for: " + join(modes) + " (default training)");
+  add_text(*app, "--device", args->device, "TYPE", "a device type",
+           "the device kernels are resolved for, a torch device type (default cpu)");
+  app->add_flag("--json", args->json, "the report as one JSON document");
+  auto check = [args] {
+    if (args->preset.empty() == args->model_dir.empty())
+      throw UsageError("give exactly one of --preset NAME (one of " + join(preset_names()) +
+                       ") or --model DIR");
+  };
+  return {app, check, [args] { return plan_command(*args); }};
 }
 
 }  // namespace kernmap::cli

@@ -40,33 +40,13 @@ std::string Table::render() const {
   return out;
 }
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char ch : s) {
-    switch (ch) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (ch < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", ch);
-          out += buf;
-        } else {
-          out += static_cast<char>(ch);
-        }
-    }
+std::string join(const std::vector<std::string>& names, const char* sep) {
+  std::string out;
+  for (const std::string& n : names) {
+    if (!out.empty()) out += sep;
+    out += n;
   }
-  return out + "\"";
+  return out;
 }
 
 std::string fixed(double v, int digits) {

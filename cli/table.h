@@ -1,4 +1,4 @@
-// Plain-text tables and JSON string escaping for the command-line tool's output.
+// Plain-text tables for the command-line tool's output.
 #pragma once
 
 #include <string>
@@ -13,8 +13,8 @@ struct Table {
   std::string render() const;
 };
 
-/// s as a JSON string literal, quotes included.
-std::string json_string(const std::string& s);
+/// The names with sep between them ("a, b, c").
+std::string join(const std::vector<std::string>& names, const char* sep = ", ");
 /// A number formatted with `digits` decimals.
 std::string fixed(double v, int digits);
 

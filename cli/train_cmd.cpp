@@ -2,99 +2,127 @@
 // ids or the built-in synthetic data, printed as tables (or --json), with a progress bar on a terminal.
 #include <ATen/Parallel.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cli/commands.h"
+#include "cli/json_output.h"
+#include "cli/options.h"
 #include "cli/table.h"
 #include "kernmap/train.h"
 
 namespace kernmap::cli {
 namespace {
 
+// Upper bounds that keep what a run holds on the host before its first tensor sane, so that no value ends in
+// std::bad_alloc or an out-of-memory kill (the tensors themselves are checked by the allocator, which names
+// the size it could not get):
+// - steps (and ablate's warm-up, and --save-every): a run keeps one StepLog (56 bytes) per step, align two
+// and
+//   ablate one time per row and step; a million steps is 56 MB of logs and days at the presets' fastest step.
+constexpr int64_t kMaxSteps = 1'000'000;
+// - batch rows: a step's batch is gathered row by row (an example per row), then padded into [rows, longest].
+constexpr int64_t kMaxBatchSize = 65'536;
+// - the synthetic dataset is made up front, 8 bytes a token: examples and their length alone, and their
+//   product (2^27 tokens, 1 GiB); a step of synthetic rows holds batch x seq-len tokens (2^24, 16 Mi tokens,
+//   far beyond any SFT step) twice, and its activations many times over.
+constexpr int64_t kMaxExamples = 1 << 20;
+constexpr int64_t kMaxSeqLen = 1 << 20;
+constexpr int64_t kMaxSyntheticTokens = int64_t(1) << 27;
+constexpr int64_t kMaxBatchTokens = int64_t(1) << 24;
+// - intra-op threads: more than any machine has cores (the largest have a few hundred hardware threads); each
+//   is an OS thread of torch's pool, and set_num_threads takes an int.
+constexpr int64_t kMaxThreads = 1024;
+
 struct RunArgs {
   std::string preset, model_dir, data_path, dtype = "float32", kernels = "all";
   std::string save_dir, resume_dir;
   int64_t threads = 0;
   int64_t steps = 20, warmup = 3, save_every = 0, examples = 64, seq_len = 128;
-  double rtol = -1;
+  std::optional<double> rtol;  ///< align's tolerance; by default 1e-5 for float32, 2e-2 for bfloat16
   bool json = false, skip_bad_lines = false;
   train::TrainOptions options;
+
+  const std::string& model_name() const { return preset.empty() ? model_dir : preset; }
 };
 
-constexpr const char* kOptions =
-    "--preset NAME | --model DIR, --data FILE, --skip-bad-lines, --steps N, --dtype float32|bfloat16, "
-    "--kernels all|none|LIST, --batch-size N, --seq-len N, --examples N, --lr X, --weight-decay X, "
-    "--max-grad-norm X, --threads N, --json; train: --save DIR, --save-every N, --resume DIR; align: --rtol "
-    "X; "
-    "ablate: --warmup N";
+enum class Run { kTrain, kAlign, kAblate };
 
-RunArgs parse(const std::vector<std::string>& args) {
-  RunArgs r;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> const std::string& {
-      if (i + 1 >= args.size()) throw std::invalid_argument(a + " needs a value");
-      return args[++i];
-    };
-    auto integer = [&]() { return std::stoll(value()); };
-    auto real = [&]() { return std::stod(value()); };
-    if (a == "--preset")
-      r.preset = value();
-    else if (a == "--model")
-      r.model_dir = value();
-    else if (a == "--data")
-      r.data_path = value();
-    else if (a == "--skip-bad-lines")
-      r.skip_bad_lines = true;
-    else if (a == "--steps")
-      r.steps = integer();
-    else if (a == "--warmup")
-      r.warmup = integer();
-    else if (a == "--dtype")
-      r.dtype = value();
-    else if (a == "--kernels")
-      r.kernels = value();
-    else if (a == "--batch-size")
-      r.options.batch_size = integer();
-    else if (a == "--seq-len")
-      r.seq_len = integer();
-    else if (a == "--examples")
-      r.examples = integer();
-    else if (a == "--lr")
-      r.options.adam.lr = real();
-    else if (a == "--weight-decay")
-      r.options.adam.weight_decay = real();
-    else if (a == "--max-grad-norm")
-      r.options.max_grad_norm = real();
-    else if (a == "--rtol")
-      r.rtol = real();
-    else if (a == "--save")
-      r.save_dir = value();
-    else if (a == "--save-every")
-      r.save_every = integer();
-    else if (a == "--resume")
-      r.resume_dir = value();
-    else if (a == "--threads")
-      r.threads = integer();
-    else if (a == "--json")
-      r.json = true;
-    else
-      throw std::invalid_argument("unknown option '" + a + "' (options: " + kOptions + ")");
+void add_run_options(CLI::App& app, RunArgs& r, Run run) {
+  add_text(app, "--preset", r.preset, "NAME", "a preset name (" + join(preset_names()) + ")",
+           "a built-in model: " + join(preset_names()));
+  add_text(app, "--model", r.model_dir, "DIR", "a folder (config.json and safetensors)",
+           "a checkpoint folder (config.json and safetensors)");
+  add_text(app, "--data", r.data_path, "FILE", "a file (JSONL token ids)",
+           "JSONL {\"prompt_ids\": [...], \"response_ids\": [...]} lines (default: synthetic data)");
+  app.add_flag("--skip-bad-lines", r.skip_bad_lines,
+               "skip malformed data lines (each reported) instead of stopping");
+  add_integer(app, "--steps", r.steps, 1, kMaxSteps,
+              run == Run::kAblate ? "measured steps per row" : "the last step to train, also with --resume");
+  add_choice(app, "--dtype", r.dtype, {"float32", "bfloat16"}, "the model's parameter dtype");
+  add_text(app, "--kernels", r.kernels, "all|none|LIST", "all, none or a comma list of layers",
+           "the layers kernelized, the rest on their reference kernels (default all)");
+  add_integer(app, "--batch-size", r.options.batch_size, 1, kMaxBatchSize, "examples per step");
+  add_integer(app, "--seq-len", r.seq_len, 2, kMaxSeqLen, "tokens per synthetic example");
+  add_integer(app, "--examples", r.examples, 1, kMaxExamples, "synthetic examples");
+  add_real(app, "--lr", r.options.adam.lr, Sign::kPositive, "AdamW learning rate");
+  add_real(app, "--weight-decay", r.options.adam.weight_decay, Sign::kNonNegative,
+           "AdamW decoupled weight decay");
+  add_real(app, "--max-grad-norm", r.options.max_grad_norm, Sign::kPositive,
+           "gradients are clipped to this total 2-norm");
+  add_integer(app, "--threads", r.threads, 0, kMaxThreads, "torch intra-op threads, 0 for torch's default");
+  app.add_flag("--json", r.json, "one JSON document instead of the table");
+  if (run == Run::kTrain) {
+    add_text(app, "--save", r.save_dir, "DIR", "a folder", "write DIR/checkpoint.safetensors at the end");
+    add_integer(app, "--save-every", r.save_every, 0, kMaxSteps,
+                "with --save, also every N steps (0: only at the end)");
+    add_text(app, "--resume", r.resume_dir, "DIR", "a folder",
+             "continue from DIR/checkpoint.safetensors up to --steps");
   }
+  if (run == Run::kAlign)
+    add_real(
+        app, "--rtol", r.rtol, Sign::kPositive,
+        "largest relative difference of loss and grad_norm that passes (default 1e-5 for float32, 2e-2 for "
+        "bfloat16)");
+  if (run == Run::kAblate)
+    add_integer(app, "--warmup", r.warmup, 0, kMaxSteps, "unmeasured steps per row first");
+}
+
+void check(const RunArgs& r) {
   if (r.preset.empty() == r.model_dir.empty())
-    throw std::invalid_argument(
-        "give exactly one of --preset NAME (qwen2-tiny, qwen2-moe-tiny, qwen3-moe-tiny) or "
-        "--model DIR");
-  if (r.dtype != "float32" && r.dtype != "bfloat16")
-    throw std::invalid_argument("--dtype must be float32 or bfloat16, got '" + r.dtype + "'");
-  if (r.steps < 1 || r.warmup < 0 || r.options.batch_size < 1)
-    throw std::invalid_argument("--steps and --batch-size must be >= 1, --warmup >= 0");
+    throw UsageError("give exactly one of --preset NAME (" + join(preset_names()) + ") or --model DIR");
+  if (r.save_every > 0 && r.save_dir.empty())
+    throw UsageError("--save-every needs --save DIR (where to save)");
+  if (!r.data_path.empty()) return;
+  if (r.examples > kMaxSyntheticTokens / r.seq_len)
+    throw UsageError("--examples x --seq-len must be at most " + std::to_string(kMaxSyntheticTokens) +
+                     " synthetic tokens (held in memory, 8 bytes each), got " + std::to_string(r.examples) +
+                     " x " + std::to_string(r.seq_len));
+  if (r.options.batch_size > kMaxBatchTokens / r.seq_len)
+    throw UsageError("--batch-size x --seq-len must be at most " + std::to_string(kMaxBatchTokens) +
+                     " tokens a step, got " + std::to_string(r.options.batch_size) + " x " +
+                     std::to_string(r.seq_len));
+}
+
+// The settings every run applies before it starts.
+void prepare(RunArgs& r) {
   if (r.threads > 0) at::set_num_threads(static_cast<int>(r.threads));
-  if (r.rtol < 0) r.rtol = r.dtype == "float32" ? 1e-5 : 2e-2;
-  return r;
+  if (!r.rtol) r.rtol = r.dtype == "float32" ? 1e-5 : 2e-2;
+}
+
+train::LayerSet kernel_layers(const RunArgs& r) {
+  try {
+    return train::parse_kernels(r.kernels);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());  // names --kernels, the layer and the accepted names
+  }
 }
 
 std::function<std::shared_ptr<CausalLM>()> model_factory(const RunArgs& r) {
@@ -127,16 +155,15 @@ train::Progress progress_bar(const char* what) {
   };
 }
 
-std::string num(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
+Json step_json(const train::StepLog& s) {
+  return {{"step", s.step},       {"loss", s.loss},     {"grad_norm", s.grad_norm},
+          {"seconds", s.seconds}, {"tokens", s.tokens}, {"tokens_per_s", s.tokens_per_s}};
 }
 
-std::string step_json(const train::StepLog& s) {
-  return "{\"step\": " + std::to_string(s.step) + ", \"loss\": " + num(s.loss) +
-         ", \"grad_norm\": " + num(s.grad_norm) + ", \"seconds\": " + num(s.seconds) +
-         ", \"tokens\": " + std::to_string(s.tokens) + ", \"tokens_per_s\": " + num(s.tokens_per_s) + "}";
+Json steps_json(const std::vector<train::StepLog>& logs) {
+  Json out = Json::array();
+  for (const train::StepLog& s : logs) out.push_back(step_json(s));
+  return out;
 }
 
 std::string sci(double v) {
@@ -151,13 +178,11 @@ std::string describe(const RunArgs& r, const ModelConfig& c, const train::Datase
          std::to_string(r.options.batch_size);
 }
 
-}  // namespace
-
-int train_command(const std::vector<std::string>& args) {
-  const RunArgs r = parse(args);
+int train_command(const RunArgs& r) {
+  const train::LayerSet layers = kernel_layers(r);
   auto model = model_factory(r)();
   const train::Dataset data = load_data(r, model->config().vocab_size);
-  const Report report = train::bind_kernels(*model, train::parse_kernels(r.kernels));
+  const Report report = train::bind_kernels(*model, layers);
   train::Trainer trainer(model, data, r.options);
   if (!r.resume_dir.empty()) trainer.load_checkpoint(r.resume_dir);
   const int64_t first = trainer.steps();
@@ -175,14 +200,14 @@ int train_command(const std::vector<std::string>& args) {
     if (progress) progress(log.step - first, r.steps - first);
   }
   if (r.json) {
-    std::string out = "{\"model\": " + json_string(r.preset.empty() ? r.model_dir : r.preset) +
-                      ", \"data\": " + json_string(data.source) + ", \"skipped\": [";
-    for (size_t i = 0; i < data.skipped.size(); ++i)
-      out += std::string(i ? ", " : "") + "{\"line\": " + std::to_string(data.skipped[i].line) +
-             ", \"problem\": " + json_string(data.skipped[i].problem) + "}";
-    out += "], \"kernels\": " + report.json() + ", \"steps\": [";
-    for (size_t i = 0; i < logs.size(); ++i) out += (i ? ", " : "") + step_json(logs[i]);
-    std::printf("%s]}\n", out.c_str());
+    Json skipped = Json::array();
+    for (const train::DataIssue& issue : data.skipped)
+      skipped.push_back({{"line", issue.line}, {"problem", issue.problem}});
+    print_json({{"model", r.model_name()},
+                {"data", data.source},
+                {"skipped", skipped},
+                {"kernels", Json::parse(report.json())},
+                {"steps", steps_json(logs)}});
     return 0;
   }
   for (const auto& s : logs)
@@ -192,24 +217,22 @@ int train_command(const std::vector<std::string>& args) {
   return 0;
 }
 
-int align_command(const std::vector<std::string>& args) {
-  const RunArgs r = parse(args);
+int align_command(const RunArgs& r) {
+  const train::LayerSet layers = kernel_layers(r);
   const auto factory = model_factory(r);
   const ModelConfig config = factory()->config();
   const train::Dataset data = load_data(r, config.vocab_size);
-  const train::AlignResult res =
-      train::align(factory, data, r.options, train::parse_kernels(r.kernels), r.steps, r.rtol,
-                   r.json ? train::Progress{} : progress_bar("align"));
+  const train::AlignResult res = train::align(factory, data, r.options, layers, r.steps, *r.rtol,
+                                              r.json ? train::Progress{} : progress_bar("align"));
   if (r.json) {
-    std::string out = "{\"model\": " + json_string(r.preset.empty() ? r.model_dir : r.preset) +
-                      ", \"passed\": " + (res.passed ? "true" : "false") + ", \"rtol\": " + num(res.rtol) +
-                      ", \"max_loss_rel\": " + num(res.max_loss_rel) +
-                      ", \"max_grad_norm_rel\": " + num(res.max_grad_norm_rel) +
-                      ", \"kernels\": " + res.report.json() + ", \"original\": [";
-    for (size_t i = 0; i < res.original.size(); ++i) out += (i ? ", " : "") + step_json(res.original[i]);
-    out += "], \"kernelized\": [";
-    for (size_t i = 0; i < res.kernelized.size(); ++i) out += (i ? ", " : "") + step_json(res.kernelized[i]);
-    std::printf("%s]}\n", out.c_str());
+    print_json({{"model", r.model_name()},
+                {"passed", res.passed},
+                {"rtol", res.rtol},
+                {"max_loss_rel", res.max_loss_rel},
+                {"max_grad_norm_rel", res.max_grad_norm_rel},
+                {"kernels", Json::parse(res.report.json())},
+                {"original", steps_json(res.original)},
+                {"kernelized", steps_json(res.kernelized)}});
     return res.passed ? 0 : 1;
   }
   std::printf("align %s, %lld steps, kernels: ", describe(r, config, data).c_str(),
@@ -239,35 +262,38 @@ int align_command(const std::vector<std::string>& args) {
   return res.passed ? 0 : 1;
 }
 
-int ablate_command(const std::vector<std::string>& args) {
-  const RunArgs r = parse(args);
+int ablate_command(const RunArgs& r) {
+  const train::LayerSet layers = kernel_layers(r);
   const auto factory = model_factory(r);
   const ModelConfig config = factory()->config();
   const train::Dataset data = load_data(r, config.vocab_size);
-  const auto rows = train::ablate(factory, data, r.options, train::parse_kernels(r.kernels), r.warmup,
-                                  r.steps, r.json ? train::Progress{} : progress_bar("ablate"));
+  const auto rows = train::ablate(factory, data, r.options, layers, r.warmup, r.steps,
+                                  r.json ? train::Progress{} : progress_bar("ablate"));
   if (r.json) {
-    std::string out =
-        "{\"model\": " + json_string(r.preset.empty() ? r.model_dir : r.preset) + ", \"rows\": [";
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const auto& row = rows[i];
-      out += std::string(i ? ", " : "") + "{\"name\": " + json_string(row.name) +
-             ", \"median_s\": " + num(row.median_s) + ", \"p25_s\": " + num(row.p25_s) +
-             ", \"p75_s\": " + num(row.p75_s) + ", \"speedup_pct\": " + num(row.speedup_pct) +
-             ", \"min_s\": " + num(row.min_s) + ", \"median_cpu_s\": " + num(row.median_cpu_s) +
-             ", \"cpu_speedup_pct\": " + num(row.cpu_speedup_pct) +
-             ", \"peak_bytes\": " + num(row.peak_bytes) + ", \"final_loss\": " + num(row.final_loss) +
-             ", \"seconds\": [";
-      for (size_t j = 0; j < row.seconds.size(); ++j) out += (j ? ", " : "") + num(row.seconds[j]);
-      out += "]}";
-    }
-    std::printf("%s]}\n", out.c_str());
+    Json out = Json::array();
+    for (const train::AblationRow& row : rows)
+      out.push_back({{"name", row.name},
+                     {"median_s", row.median_s},
+                     {"p25_s", row.p25_s},
+                     {"p75_s", row.p75_s},
+                     {"speedup_pct", row.speedup_pct},
+                     {"min_s", row.min_s},
+                     {"median_cpu_s", row.median_cpu_s},
+                     {"cpu_speedup_pct", row.cpu_speedup_pct},
+                     {"peak_bytes", static_cast<int64_t>(row.peak_bytes)},  // a count of bytes
+                     {"final_loss", row.final_loss},
+                     {"seconds", row.seconds}});
+    print_json({{"model", r.model_name()}, {"rows", out}});
     return 0;
   }
   std::printf("ablate %s; %lld measured steps per row after %lld warm-up, rows interleaved\n\n",
               describe(r, config, data).c_str(), static_cast<long long>(r.steps),
               static_cast<long long>(r.warmup));
-  auto pct = [](double v) { return (v >= 0 ? "+" : "") + fixed(v, 1); };
+  auto pct = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%+.1f", v);
+    return std::string(buf);
+  };
   Table table{{"kernels", "median ms/step", "spread (p25-p75) ms", "min ms", "speedup %", "cpu ms/step",
                "cpu speedup %", "peak MiB", "final loss"},
               {}};
@@ -278,6 +304,38 @@ int ablate_command(const std::vector<std::string>& args) {
          pct(row.cpu_speedup_pct), fixed(row.peak_bytes / (1 << 20), 1), fixed(row.final_loss, 4)});
   std::fputs(table.render().c_str(), stdout);
   return 0;
+}
+
+}  // namespace
+
+std::vector<Command> add_run_commands(CLI::App& parent) {
+  struct Spec {
+    const char* name;
+    const char* help;
+    Run run;
+    int (*command)(const RunArgs&);
+  };
+  const Spec specs[] = {
+      {"train", "SFT on a preset or a checkpoint: per-step loss, grad_norm, ms, tokens/s", Run::kTrain,
+       train_command},
+      {"align", "the original and the kernelized model trained side by side, per step, and a verdict",
+       Run::kAlign, align_command},
+      {"ablate",
+       "step time: original, +each kernel, all (interleaved, medians, spread, speedup %, peak memory)",
+       Run::kAblate, ablate_command},
+  };
+  std::vector<Command> out;
+  for (const Spec& spec : specs) {
+    CLI::App* app = parent.add_subcommand(spec.name, spec.help);
+    auto args = std::make_shared<RunArgs>();
+    add_run_options(*app, *args, spec.run);
+    auto run = [args, command = spec.command] {
+      prepare(*args);
+      return command(*args);
+    };
+    out.push_back({app, [args] { check(*args); }, run});
+  }
+  return out;
 }
 
 }  // namespace kernmap::cli

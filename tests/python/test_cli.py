@@ -1,27 +1,19 @@
-"""The kernmap command: registry listing with reasons, KERNMAP_DISABLE, the CPU level override, and the
-benchmark's JSON document (shape only: a benchmark is not a test)."""
+"""The kernmap command: registry listing with reasons, KERNMAP_DISABLE, the CPU level override, the JSON
+documents (the benchmark's for shape only: a benchmark is not a test), --help of every command, and the
+command line's errors: unknown commands and options, and every bad value named with the option, the value and
+what is expected (exit code 2), never a crash or a backtrace."""
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def kernmap(*args, env=None):
-    full_env = dict(os.environ, **(env or {}))
-    out = subprocess.run([str(ROOT / "scripts" / "kernmap"), *args], capture_output=True, text=True, env=full_env,
-                         timeout=300)
-    return out
+import pytest
 
 
 def decisions(doc):
     return {(d["layer"], d["device"], d["mode"]): d for d in doc["resolution"]}
 
 
-def test_kernels_json_lists_builtins_and_defaults():
-    out = kernmap("kernels", "--json")
+def test_kernels_json_lists_builtins_and_defaults(run_cli):
+    out = run_cli("kernels", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     names = {k["name"] for k in doc["kernels"]}
@@ -33,41 +25,248 @@ def test_kernels_json_lists_builtins_and_defaults():
             assert not d[(layer, "cpu", mode)]["fallback"]
     npu = d[("RMSNorm", "npu", "training")]
     assert npu["kernel"] == "reference/rms_norm" and npu["fallback"] and npu["reason"] == "no mapping for npu"
+    rms = next(k for k in doc["kernels"] if k["name"] == "kernmap/rms_norm")
+    assert rms["layer"] == "RMSNorm" and "cpu" in rms["devices"] and "bfloat16" in rms["dtypes"]
+    assert rms["has_backward"] is True and rms["op"] == "kernmap::rms_norm"
+    assert set(doc["plugins"]) == {"packages", "process", "repositories"}
 
 
-def test_kernmap_disable_forces_the_reference_with_a_reason():
-    doc = json.loads(kernmap("kernels", "--json", env={"KERNMAP_DISABLE": "RMSNorm"}).stdout)
+def test_kernmap_disable_forces_the_reference_with_a_reason(run_cli):
+    doc = json.loads(run_cli("kernels", "--json", env={"KERNMAP_DISABLE": "RMSNorm"}).stdout)
     d = decisions(doc)
     assert d[("RMSNorm", "cpu", "training")]["kernel"] == "reference/rms_norm"
     assert d[("RMSNorm", "cpu", "training")]["reason"] == "disabled by KERNMAP_DISABLE"
     assert d[("SiluAndMul", "cpu", "training")]["kernel"] == "kernmap/silu_and_mul"
-    doc = json.loads(kernmap("kernels", "--json", env={"KERNMAP_DISABLE": "all"}).stdout)
+    doc = json.loads(run_cli("kernels", "--json", env={"KERNMAP_DISABLE": "all"}).stdout)
     assert all(r["fallback"] for r in doc["resolution"])
 
 
-def test_cpu_level_override():
-    doc = json.loads(kernmap("kernels", "--json", env={"KERNMAP_CPU_ISA": "baseline"}).stdout)
+def test_cpu_level_override(run_cli):
+    doc = json.loads(run_cli("kernels", "--json", env={"KERNMAP_CPU_ISA": "baseline"}).stdout)
     assert doc["cpu"]["level"] == "baseline"
     assert "baseline" in doc["cpu"]["supported"]
-    bad = kernmap("kernels", "--json", env={"KERNMAP_CPU_ISA": "sse9"})
+    bad = run_cli("kernels", "--json", env={"KERNMAP_CPU_ISA": "sse9"})
     assert "KERNMAP_CPU_ISA=sse9 is not a level" in bad.stderr
 
 
-def test_bench_json_document():
-    out = kernmap("bench", "ops", "--json", "--filter", "rms_norm/bfloat16", "--warmup", "0", "--reps", "1")
+def test_bench_json_document(run_cli):
+    out = run_cli("bench", "ops", "--json", "--filter", "rms_norm/bfloat16", "--warmup", "0", "--reps", "1")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["machine"]["copy_gbps"] > 0
+    assert doc["machine"]["copy_gbps"] > 0 and doc["machine"]["threads"] >= 1 and doc["machine"]["cpu_level"]
+    assert doc["machine"]["dense_gflops"] == {}  # rms_norm does no FLOPs worth a GEMM peak
     rows = doc["results"]
     assert {(r["op"], r["pass"], r["impl"]) for r in rows} == {
         ("rms_norm", p, i) for p in ("fwd", "fwd+bwd") for i in ("kernmap", "reference")}
     for r in rows:
         assert r["dtype"] == "bfloat16" and r["shape"] == "[4096, 3584]"
-        assert r["median_ms"] > 0 and r["gbps"] > 0
+        assert r["median_ms"] > 0 and r["gbps"] > 0 and r["floor_ms"] > 0 and "gflops" not in r
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        if r["impl"] == "reference":
+            assert r["speedup_vs_reference"] == 1
 
 
-def test_bad_arguments_are_reported():
-    out = kernmap("bench", "ops", "--reps", "zero")
-    assert out.returncode == 1 and "--reps must be an integer, got 'zero'" in out.stderr
-    out = kernmap("frobnicate")
-    assert out.returncode == 2 and "unknown command 'frobnicate'" in out.stderr
+TINY = ["--preset", "qwen2-tiny", "--steps", 2, "--seq-len", 8, "--batch-size", 2, "--threads", 1]
+
+
+def test_train_json_document(run_cli):
+    out = run_cli("train", *TINY, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert list(doc) == ["model", "data", "skipped", "kernels", "steps"]
+    assert doc["model"] == "qwen2-tiny" and doc["data"].startswith("synthetic(64 x 8 tokens") and doc["skipped"] == []
+    assert doc["kernels"]["device"] == "cpu" and doc["kernels"]["layers"]
+    assert [s["step"] for s in doc["steps"]] == [1, 2]
+    for s in doc["steps"]:
+        assert list(s) == ["step", "loss", "grad_norm", "seconds", "tokens", "tokens_per_s"]
+        assert s["loss"] > 0 and s["grad_norm"] > 0 and s["tokens"] > 0
+
+
+def test_align_json_document_numbers_round_trip(run_cli):
+    rtol = 0.1 + 0.2  # 0.30000000000000004: 17 significant digits, printed exactly or not at all
+    out = run_cli("align", *TINY, "--rtol", repr(rtol), "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert list(doc) == ["model", "passed", "rtol", "max_loss_rel", "max_grad_norm_rel", "kernels", "original",
+                         "kernelized"]
+    assert doc["rtol"] == rtol and doc["passed"] is True
+    assert len(doc["original"]) == len(doc["kernelized"]) == 2
+    assert doc["max_loss_rel"] <= rtol and doc["max_grad_norm_rel"] <= rtol
+
+
+def test_ablate_json_document(run_cli):
+    out = run_cli("ablate", *TINY, "--warmup", 0, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["model"] == "qwen2-tiny"
+    assert [r["name"] for r in doc["rows"]] == ["original", "+RMSNorm", "+SiluAndMul", "all"]
+    for r in doc["rows"]:
+        assert list(r) == ["name", "median_s", "p25_s", "p75_s", "speedup_pct", "min_s", "median_cpu_s",
+                           "cpu_speedup_pct", "peak_bytes", "final_loss", "seconds"]
+        assert len(r["seconds"]) == 2 and isinstance(r["peak_bytes"], int) and r["peak_bytes"] > 0
+
+
+def test_plan_json_document(run_cli):
+    out = run_cli("plan", "--preset", "qwen2-moe-tiny", "--mode", "inference", "--device", "npu", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["device"] == "npu" and doc["mode"] == "inference"
+    assert doc["layers"] and all(e["fallback"] and e["reason"] == "no mapping for npu" for e in doc["layers"])
+
+
+def test_mapping_files_before_and_after_the_command_apply_in_order(run_cli, tmp_path):
+    first, second = tmp_path / "first.json", tmp_path / "second.toml"
+    first.write_text('{"RMSNorm": {"cpu": "reference/rms_norm"}, "SiluAndMul": {"cpu": "reference/silu_and_mul"}}')
+    second.write_text('[RMSNorm]\ncpu = "kernmap/rms_norm"\n')
+    out = run_cli("--mapping", first, "plan", "--preset", "qwen2-tiny", "--json", "--mapping", second)
+    assert out.returncode == 0, out.stderr
+    kernels = {e["path"]: e["kernel"] for e in json.loads(out.stdout)["layers"]}
+    assert kernels["model.norm"] == "kernmap/rms_norm"  # the later file's entry replaced the first's
+    assert kernels["model.layers.0.mlp"] == "reference/silu_and_mul"
+
+
+# Every option each command has had, so that none is lost.
+COMMON = ["--preset", "--model", "--data", "--skip-bad-lines", "--steps", "--dtype", "--kernels", "--batch-size",
+          "--seq-len", "--examples", "--lr", "--weight-decay", "--max-grad-norm", "--threads", "--json"]
+OPTIONS = {
+    ("kernels",): ["--json"],
+    ("lock",): ["DIR"],
+    ("bench",): ["ops"],
+    ("bench", "ops"): ["--json", "--filter", "--shape", "--impl", "--warmup", "--reps"],
+    ("plan",): ["--preset", "--model", "--mode", "--device", "--json"],
+    ("train",): COMMON + ["--save", "--save-every", "--resume"],
+    ("align",): COMMON + ["--rtol"],
+    ("ablate",): COMMON + ["--warmup"],
+}
+
+
+@pytest.mark.parametrize("command", list(OPTIONS), ids=" ".join)
+def test_every_command_has_help(run_cli, command):
+    out = run_cli(*command, "--help")
+    assert out.returncode == 0, out.stderr
+    assert f"Usage: kernmap {' '.join(command)}" in out.stdout and out.stderr == ""
+    for option in OPTIONS[command]:
+        assert option in out.stdout, option
+
+
+def option_line(help_text, option):
+    return next(line for line in help_text.splitlines() if line.lstrip().startswith(option + " "))
+
+
+def test_help_states_the_defaults(run_cli):
+    text = run_cli("train", "--help").stdout
+    for option, default in [("--steps", "default 20"), ("--batch-size", "default 4"), ("--seq-len", "default 128"),
+                            ("--examples", "default 64"), ("--lr", "default 0.001"), ("--weight-decay", "default 0.01"),
+                            ("--max-grad-norm", "default 1)"), ("--dtype", "default float32"),
+                            ("--kernels", "default all"), ("--threads", "default 0")]:
+        assert default in option_line(text, option), option
+    assert "default 3" in option_line(run_cli("ablate", "--help").stdout, "--warmup")
+    bench = run_cli("bench", "ops", "--help").stdout
+    assert "default 11" in option_line(bench, "--reps") and "default 3" in option_line(bench, "--warmup")
+    assert "default training" in option_line(run_cli("plan", "--help").stdout, "--mode")
+
+
+def test_top_level_help_and_usage(run_cli):
+    for args in (["--help"], ["-h"], ["help"]):
+        out = run_cli(*args)
+        assert out.returncode == 0 and out.stderr == ""
+        for command in ("kernels", "lock", "bench", "plan", "train", "align", "ablate"):
+            assert f"\n  {command} " in out.stdout, command
+        assert "--mapping FILE" in out.stdout and "KERNMAP_PATH" in out.stdout
+    bare = run_cli()
+    assert bare.returncode == 2 and bare.stdout == "" and "Usage: kernmap" in bare.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["frobnicate"], "kernmap: unknown command 'frobnicate'\n"),
+    (["--frobnicate"], "kernmap: unknown option '--frobnicate'\n"),
+    (["--mapping", "x.toml"], "kernmap: no command given\n"),
+    (["train", "--preset", "qwen2-tiny", "--frob"],
+     "kernmap train: unknown option '--frob' (kernmap train --help lists its options)\n"),
+    (["train", "--preset", "qwen2-tiny", "--rtol", "1"],  # align's option
+     "kernmap train: unknown option '--rtol' (kernmap train --help lists its options)\n"),
+    (["kernels", "extra"], "kernmap kernels: unexpected argument 'extra' (kernmap kernels --help lists its options)\n"),
+    (["bench", "ops", "--frob"], "kernmap bench: unknown option '--frob' (kernmap bench ops --help lists its options)\n"),
+    (["bench"], "kernmap bench: expected 'bench ops', got 'bench'\n"),
+    (["lock"], "kernmap lock: DIR is required\n"),
+    (["lock", "a", "b"], "kernmap lock: unexpected argument 'b' (kernmap lock --help lists its options)\n"),
+    (["plan"], "kernmap plan: give exactly one of --preset NAME (one of qwen2-tiny, qwen2-moe-tiny, "
+               "qwen3-moe-tiny) or --model DIR\n"),
+    (["align", "--preset", "qwen2-tiny", "--model", "m"],
+     "kernmap align: give exactly one of --preset NAME (qwen2-tiny, qwen2-moe-tiny, qwen3-moe-tiny) or --model DIR\n"),
+    (["train", "--preset", "qwen2-tiny", "--save-every", "2"], "kernmap train: --save-every needs --save DIR (where to save)\n"),
+])
+def test_command_line_mistakes_exit_2(run_cli, args, message):
+    out = run_cli(*args)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stderr.startswith(message), out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--steps", "10x"], "--steps must be an integer in [1, 1000000], got '10x'"),
+    (["train", "--steps", "abc"], "--steps must be an integer in [1, 1000000], got 'abc'"),
+    (["train", "--steps", "99999999999999999999"], "--steps must be an integer in [1, 1000000], got '99999999999999999999'"),
+    (["train", "--steps", "0"], "--steps must be an integer in [1, 1000000], got '0'"),
+    (["train", "--steps", "1e3"], "--steps must be an integer in [1, 1000000], got '1e3'"),
+    (["train", "--steps", ""], "--steps needs an integer in [1, 1000000]"),
+    (["train", "--steps"], "--steps needs an integer in [1, 1000000]"),
+    (["train", "--steps", "--json"], "--steps needs an integer in [1, 1000000]"),
+    (["train", "--lr", "nan"], "--lr must be a finite number > 0, got 'nan'"),
+    (["train", "--lr", "0"], "--lr must be a finite number > 0, got '0'"),
+    (["train", "--lr", "1e999"], "--lr must be a finite number > 0, got '1e999'"),
+    (["train", "--lr", "0.001x"], "--lr must be a finite number > 0, got '0.001x'"),
+    (["train", "--weight-decay", "-0.5"], "--weight-decay must be a finite number >= 0, got '-0.5'"),
+    (["train", "--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got 'inf'"),
+    (["train", "--max-grad-norm", "-1"], "--max-grad-norm must be a finite number > 0, got '-1'"),
+    (["train", "--max-grad-norm", "inf"], "--max-grad-norm must be a finite number > 0, got 'inf'"),
+    (["train", "--threads", "3000000000"], "--threads must be an integer in [0, 1024], got '3000000000'"),
+    (["train", "--threads", "-1"], "--threads must be an integer in [0, 1024], got '-1'"),
+    (["train", "--batch-size", "0"], "--batch-size must be an integer in [1, 65536], got '0'"),
+    (["train", "--batch-size", "9223372036854775807"],
+     "--batch-size must be an integer in [1, 65536], got '9223372036854775807'"),
+    (["train", "--seq-len", "100000000000"], "--seq-len must be an integer in [2, 1048576], got '100000000000'"),
+    (["train", "--seq-len", "1"], "--seq-len must be an integer in [2, 1048576], got '1'"),
+    (["train", "--examples", "0"], "--examples must be an integer in [1, 1048576], got '0'"),
+    (["train", "--save-every", "-1"], "--save-every must be an integer in [0, 1000000], got '-1'"),
+    (["train", "--dtype", "float16"], "--dtype must be one of float32, bfloat16, got 'float16'"),
+    (["train", "--examples", "1048576", "--seq-len", "1048576"],
+     "--examples x --seq-len must be at most 134217728 synthetic tokens (held in memory, 8 bytes each), "
+     "got 1048576 x 1048576"),
+    (["train", "--batch-size", "65536", "--seq-len", "1024"],
+     "--batch-size x --seq-len must be at most 16777216 tokens a step, got 65536 x 1024"),
+    (["train", "--kernels", "RMSNorm,Rotary"],
+     "--kernels: unknown layer 'Rotary' (expected all, none or a comma list of RMSNorm, SiluAndMul, Experts)"),
+    (["align", "--rtol", "-1"], "--rtol must be a finite number > 0, got '-1'"),
+    (["align", "--rtol", "nan"], "--rtol must be a finite number > 0, got 'nan'"),
+    (["ablate", "--warmup", "-1"], "--warmup must be an integer in [0, 1000000], got '-1'"),
+    (["plan", "--mode", "train"],
+     "--mode must be one of inference, training, inference+compile, training+compile, fallback, got 'train'"),
+    (["bench", "ops", "--reps", "zero"], "--reps must be an integer in [1, 100000], got 'zero'"),
+    (["bench", "ops", "--warmup", "-3"], "--warmup must be an integer in [0, 100000], got '-3'"),
+])
+def test_bad_values_name_the_option_the_value_and_what_is_expected(run_cli, args, message):
+    command, rest = args[0], args[1:]
+    preset = [] if command == "bench" else ["--preset", "qwen2-tiny"]
+    out = run_cli(command, *preset, *rest)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stderr == f"kernmap {command}: {message}\n"
+    assert out.stdout == ""
+
+
+def test_unknown_device_lists_the_device_types(run_cli):
+    out = run_cli("plan", "--preset", "qwen2-tiny", "--device", "cdua")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("kernmap plan: --device must be a torch device type (")
+    assert out.stderr.endswith("), got 'cdua'\n")
+    known = out.stderr.split("(", 1)[1].rsplit(")", 1)[0].split(", ")
+    assert {"cpu", "cuda", "xpu", "mps", "meta", "hip", "npu", "rocm"} <= set(known)
+    for device in ("cuda", "meta", "npu"):
+        assert run_cli("plan", "--preset", "qwen2-tiny", "--device", device).returncode == 0, device
+
+
+def test_lock_errors_name_the_command_once(run_cli, tmp_path):
+    out = run_cli("lock", tmp_path / "missing")
+    assert out.returncode == 1
+    assert out.stderr.startswith("kernmap lock: ") and out.stderr.count("kernmap lock:") == 1, out.stderr
+    assert "not a folder" in out.stderr
