@@ -196,6 +196,12 @@ MetricVerdict judge_metric(const std::vector<double>& original, const std::vecto
 Verdict judge(const std::vector<StepLog>& original, const std::vector<StepLog>& kernelized,
               const std::vector<StepLog>& noise_run, double rtol, double noise_factor = kNoiseFactor);
 
+/// What align's noise run is, in the words both commands print.
+inline constexpr const char* kNoiseRun =
+    "the original with the selected layers on their float64 kernels (the reference's math from float64, "
+    "rounded "
+    "where it rounds)";
+
 /// The float64 kernel of a layer (provider "float64": the reference's math from float64, rounded where the
 /// reference rounds), or nullptr when the layer has none.
 const KernelDescriptor* float64_kernel(const std::string& layer);

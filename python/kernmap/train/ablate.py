@@ -9,7 +9,6 @@ rows hold)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -19,8 +18,9 @@ import torch
 import kernmap
 
 from . import distributed, options
+from .errors import UsageError
 from .models import Setup, layers_of
-from .output import fixed, pct, progress_bar, render
+from .output import fixed, json_document, pct, progress_bar, render
 from .session import Session, open_session
 from .trainer import Trainer
 
@@ -137,10 +137,13 @@ def main(argv: list[str]) -> int:
         session = open_session(args)
         rows = ablate(session)
         if args.json:
-            session.say(json.dumps(to_json(session, rows)) + "\n")
+            session.say(json_document(to_json(session, rows)))
         else:
             print_human(session, rows)
         return 0
+    except UsageError as e:
+        sys.stderr.write(f"kernmap ablate: {e}\n")
+        return 2
     except (ValueError, OSError) as e:
         sys.stderr.write(f"kernmap ablate: {e}\n")
         return 1

@@ -8,13 +8,13 @@ of the kernelized model are judged too. The runs train one after another, so one
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 
 from . import distributed, options
+from .errors import UsageError
 from .models import Setup
-from .output import fixed, progress_bar, render, sci
+from .output import fixed, json_document, progress_bar, render, sci
 from .session import Session, open_session
 from .trainer import StepLog, Trainer
 from .verdict import Verdict, judge
@@ -149,10 +149,13 @@ def main(argv: list[str]) -> int:
         session = open_session(args)
         result = align(session)
         if args.json:
-            session.say(json.dumps(to_json(session, result)) + "\n")
+            session.say(json_document(to_json(session, result)))
         else:
             print_human(session, result)
         return 0 if result.passed else 1
+    except UsageError as e:
+        sys.stderr.write(f"kernmap align: {e}\n")
+        return 2
     except (ValueError, OSError) as e:
         sys.stderr.write(f"kernmap align: {e}\n")
         return 1

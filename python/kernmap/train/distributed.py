@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .errors import UsageError
+
 PARALLEL = ("none", "ddp", "fsdp2")
 
 
@@ -76,11 +78,11 @@ def start(kind: str, batch_size: int, device: str) -> Parallel:
     """Joins the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) for
     kind "ddp" or "fsdp2"; "none" runs alone. The batch must split evenly over the processes."""
     if kind not in PARALLEL:
-        raise ValueError(f"--parallel must be one of {', '.join(PARALLEL)}, got {kind!r}")
+        raise UsageError(f"--parallel must be one of {', '.join(PARALLEL)}, got {kind!r}")
     if kind == "none":
         return Parallel(device=device)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ValueError(f"--parallel {kind} runs under torchrun (python -m torch.distributed.run "
+        raise UsageError(f"--parallel {kind} runs under torchrun (python -m torch.distributed.run "
                          f"--nproc_per_node N -m kernmap ...): RANK and WORLD_SIZE are not set")
     import torch.distributed as dist
 
@@ -90,7 +92,7 @@ def start(kind: str, batch_size: int, device: str) -> Parallel:
     parallel = Parallel(kind, dist.get_rank(), dist.get_world_size(), device)
     if batch_size % parallel.world:
         stop()
-        raise ValueError(f"--batch-size {batch_size} must be a multiple of the {parallel.world} processes")
+        raise UsageError(f"--batch-size {batch_size} must be a multiple of the {parallel.world} processes")
     if device != "cpu":
         getattr(torch, device).set_device(parallel._index())
     return parallel

@@ -17,6 +17,7 @@ from kernmap.binders import BINDERS
 
 from . import presets
 from .distributed import Parallel
+from .errors import UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHT_SEED = 0  # random weights (a preset or a config) and LoRA's initialisation
@@ -94,7 +95,7 @@ def parse_kernels(text: str) -> frozenset[str]:
     chosen = text.split(",")
     for name in chosen:
         if name not in layers:
-            raise ValueError(f"--kernels: unknown layer '{name}' (expected all, none or a comma list of "
+            raise UsageError(f"--kernels: unknown layer '{name}' (expected all, none or a comma list of "
                              f"{', '.join(layers)})")
     return frozenset(chosen)
 

@@ -3,6 +3,8 @@ right-aligned numbers, a rule under the header), its number formats, and a progr
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -50,3 +52,18 @@ def progress_bar(what: str, enabled: bool) -> Callable[[int, int], None] | None:
         sys.stderr.flush()
 
     return show
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_document(doc: dict) -> str:
+    """As the C++ command's --json: numbers that read back to the same double, a non-finite one as null."""
+    return json.dumps(_finite(doc), allow_nan=False, indent=2) + "\n"

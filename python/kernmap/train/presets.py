@@ -10,6 +10,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from .errors import UsageError
+
 # The C++ presets' shared sizes (models/config.cpp, preset_config).
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                rms_norm_eps=1e-6, max_position_embeddings=32768, initializer_range=0.02,
@@ -38,5 +40,5 @@ def preset_names() -> list[str]:
 
 def preset_config(name: str) -> PretrainedConfig:
     if name not in PRESETS:
-        raise ValueError(f"--preset: unknown preset {name!r} (expected one of {', '.join(PRESETS)})")
+        raise UsageError(f"--preset: unknown preset {name!r} (expected one of {', '.join(PRESETS)})")
     return PRESETS[name]()
