@@ -28,7 +28,6 @@
 #include "kernmap/cpu.h"
 #include "kernmap/memory.h"
 #include "kernmap/ops.h"
-#include "ops/memory.h"
 
 namespace kernmap::cli {
 namespace {
@@ -58,21 +57,21 @@ double now_ms() {
 }
 
 // Times every implementation of a case; repetition i of each runs before repetition i+1 of any. Each run's
-// peak memory is counted too (ops/memory.h: c10's CPU allocator and the large-block cache).
+// peak memory is counted too (kernmap/memory.h: c10's CPU allocator and the large-block cache).
 std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Options& o) {
-  ops::MemoryCounter& memory = ops::MemoryCounter::counter();
+  count_cpu_memory();
   std::vector<std::vector<double>> ms(impls.size());
   std::vector<double> peak(impls.size(), 0);
   for (int r = 0; r < o.warmup + o.reps; ++r)
     for (size_t i = 0; i < impls.size(); ++i) {
       const int cap = impls[i].reps_cap;
       if (cap > 0 && (r < o.warmup || static_cast<int>(ms[i].size()) >= cap)) continue;
-      const int64_t before = memory.live();
-      memory.reset_peak();
+      reset_cpu_memory_peak();
+      const int64_t before = cpu_memory().in_use;
       const double t0 = now_ms();
       impls[i].run();
       const double t1 = now_ms();
-      peak[i] = std::max(peak[i], static_cast<double>(memory.peak() - before));
+      peak[i] = std::max(peak[i], static_cast<double>(cpu_memory().peak - before));
       if (r >= o.warmup) ms[i].push_back(t1 - t0);
     }
   std::vector<Timing> out;

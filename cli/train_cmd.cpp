@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -47,6 +48,7 @@ struct RunArgs {
   int64_t threads = 0;
   int64_t steps = 20, warmup = 3, save_every = 0, examples = 64, seq_len = 128;
   std::optional<double> rtol;  ///< align's tolerance; by default 1e-5 for float32, 2e-2 for bfloat16
+  std::vector<std::string> experts_baselines;  ///< ablate: more original rows, one per experts implementation
   bool json = false, skip_bad_lines = false;
   train::TrainOptions options;
 
@@ -93,8 +95,25 @@ void add_run_options(CLI::App& app, RunArgs& r, Run run) {
         app, "--rtol", r.rtol, Sign::kPositive,
         "largest relative difference of loss and grad_norm that passes (default 1e-5 for float32, 2e-2 for "
         "bfloat16)");
-  if (run == Run::kAblate)
+  if (run == Run::kAblate) {
     add_integer(app, "--warmup", r.warmup, 0, kMaxSteps, "unmeasured steps per row first");
+    add_value(
+        app, "--experts-baseline", "LIST", "a comma list of eager, grouped_mm, batched_mm",
+        [&r](const std::string& text) {
+          std::vector<std::string> names;
+          size_t start = 0;
+          while (start <= text.size()) {
+            const size_t end = std::min(text.find(',', start), text.size());
+            const std::string name = text.substr(start, end - start);
+            train::experts_baseline_kernel(name);  // throws std::invalid_argument for another name
+            names.push_back(name);
+            start = end + 1;
+          }
+          r.experts_baselines = names;
+        },
+        "more original rows, experts as transformers' eager, grouped_mm or batched_mm run them (the original "
+        "runs grouped_mm, transformers' default)");
+  }
 }
 
 void check(const RunArgs& r) {
@@ -228,6 +247,36 @@ int train_command(const RunArgs& r) {
   return 0;
 }
 
+Json metric_json(const train::MetricVerdict& m) {
+  return {{"diff", m.diff},
+          {"noise", m.noise},
+          {"floor", m.floor},
+          {"tolerance", m.tolerance},
+          {"max_diff", m.max_diff},
+          {"max_diff_step", m.max_diff_step},
+          {"worst_step", m.worst_step},
+          {"passed", m.passed}};
+}
+
+// The verdict line, the same in `python -m kernmap align` (kernmap/train/align.py, verdict_line).
+std::string verdict_line(const train::Verdict& v) {
+  auto closest = [](const train::MetricVerdict& m) {
+    const size_t s = static_cast<size_t>(m.worst_step - 1);
+    return sci(m.diff[s]) + " of " + sci(m.tolerance[s]) + " (step " + std::to_string(m.worst_step) + ")";
+  };
+  char factor[32];
+  std::snprintf(factor, sizeof factor, "%g", v.noise_factor);
+  const std::string no_steps = "no steps";
+  const bool any = !v.loss.diff.empty();
+  return std::string("verdict: ") + (v.passed ? "PASS" : "FAIL") +
+         " \u2014 largest relative difference: loss " + sci(v.loss.max_diff) + " (step " +
+         std::to_string(v.loss.max_diff_step) + "), grad_norm " + sci(v.grad_norm.max_diff) + " (step " +
+         std::to_string(v.grad_norm.max_diff_step) + "); closest to its tolerance: loss " +
+         (any ? closest(v.loss) : no_steps) + ", grad_norm " + (any ? closest(v.grad_norm) : no_steps) +
+         "; tolerance max(rtol " + sci(v.rtol) + ", " + factor + " x noise floor), noise floor up to loss " +
+         sci(any ? v.loss.floor.back() : 0.0) + ", grad_norm " + sci(any ? v.grad_norm.floor.back() : 0.0);
+}
+
 int align_command(const RunArgs& r) {
   const train::LayerSet layers = kernel_layers(r);
   const auto factory = model_factory(r);
@@ -235,14 +284,23 @@ int align_command(const RunArgs& r) {
   const train::Dataset data = load_data(r, config.vocab_size);
   const train::AlignResult res = train::align(factory, data, r.options, layers, r.steps, *r.rtol,
                                               r.json ? train::Progress{} : progress_bar("align"));
+  const train::Verdict& v = res.verdict;
   if (r.json) {
     print_json({{"model", r.model_name()},
                 {"passed", res.passed},
                 {"rtol", res.rtol},
+                {"noise_factor", v.noise_factor},
                 {"max_loss_rel", res.max_loss_rel},
                 {"max_grad_norm_rel", res.max_grad_norm_rel},
                 {"kernels", Json::parse(res.report.json())},
+                {"verdict",
+                 {{"passed", v.passed},
+                  {"rtol", v.rtol},
+                  {"noise_factor", v.noise_factor},
+                  {"loss", metric_json(v.loss)},
+                  {"grad_norm", metric_json(v.grad_norm)}}},
                 {"original", steps_json(res.original)},
+                {"noise", steps_json(res.noise)},
                 {"kernelized", steps_json(res.kernelized)}});
     return res.passed ? 0 : 1;
   }
@@ -252,24 +310,20 @@ int align_command(const RunArgs& r) {
   for (const ReportEntry& e : res.report.entries)
     if (!e.fallback && bound.find(e.kernel) == std::string::npos)
       bound += (bound.empty() ? "" : ", ") + e.kernel;
-  std::printf("%s\n\n", bound.empty() ? "none (all reference)" : bound.c_str());
-  Table table{{"step", "loss original", "loss kernelized", "rel diff", "grad_norm original",
-               "grad_norm kernelized", "rel diff"},
+  std::printf("%s\noriginal: the reference kernels; noise floor: %s\n\n",
+              bound.empty() ? "none (all reference)" : bound.c_str(), train::kNoiseRun);
+  Table table{{"step", "loss original", "loss kernelized", "rel diff", "noise", "tolerance",
+               "grad_norm original", "grad_norm kernelized", "rel diff", "noise", "tolerance"},
               {}};
   for (size_t i = 0; i < res.original.size(); ++i) {
     const auto &a = res.original[i], &b = res.kernelized[i];
-    table.rows.push_back({std::to_string(a.step), fixed(a.loss, 6), fixed(b.loss, 6),
-                          sci(std::abs(b.loss - a.loss) / std::abs(a.loss)), fixed(a.grad_norm, 6),
-                          fixed(b.grad_norm, 6),
-                          sci(std::abs(b.grad_norm - a.grad_norm) / std::abs(a.grad_norm))});
+    table.rows.push_back({std::to_string(a.step), fixed(a.loss, 6), fixed(b.loss, 6), sci(v.loss.diff[i]),
+                          sci(v.loss.noise[i]), sci(v.loss.tolerance[i]), fixed(a.grad_norm, 6),
+                          fixed(b.grad_norm, 6), sci(v.grad_norm.diff[i]), sci(v.grad_norm.noise[i]),
+                          sci(v.grad_norm.tolerance[i])});
   }
   std::fputs(table.render().c_str(), stdout);
-  std::printf(
-      "\nverdict: %s — largest relative difference: loss %s (step %lld), grad_norm %s (step %lld); "
-      "tolerance %s\n",
-      res.passed ? "PASS" : "FAIL", sci(res.max_loss_rel).c_str(),
-      static_cast<long long>(res.worst_loss_step), sci(res.max_grad_norm_rel).c_str(),
-      static_cast<long long>(res.worst_grad_norm_step), sci(res.rtol).c_str());
+  std::printf("\n%s\n", verdict_line(v).c_str());
   return res.passed ? 0 : 1;
 }
 
@@ -278,12 +332,15 @@ int ablate_command(const RunArgs& r) {
   const auto factory = model_factory(r);
   const ModelConfig config = factory()->config();
   const train::Dataset data = load_data(r, config.vocab_size);
-  const auto rows = train::ablate(factory, data, r.options, layers, r.warmup, r.steps,
-                                  r.json ? train::Progress{} : progress_bar("ablate"));
+  const auto rows =
+      train::ablate(factory, data, r.options, layers, r.warmup, r.steps,
+                    r.json ? train::Progress{} : progress_bar("ablate"), "grouped_mm", r.experts_baselines);
+  const std::string default_experts = rows.front().experts;
   if (r.json) {
     Json out = Json::array();
     for (const train::AblationRow& row : rows)
       out.push_back({{"name", row.name},
+                     {"experts", row.experts.empty() ? Json() : Json(row.experts)},
                      {"median_s", row.median_s},
                      {"p25_s", row.p25_s},
                      {"p75_s", row.p75_s},
@@ -294,12 +351,21 @@ int ablate_command(const RunArgs& r) {
                      {"peak_bytes", static_cast<int64_t>(row.peak_bytes)},  // a count of bytes
                      {"final_loss", row.final_loss},
                      {"seconds", row.seconds}});
-    print_json({{"model", r.model_name()}, {"rows", out}});
+    print_json({{"model", r.model_name()},
+                {"experts_implementation", default_experts.empty() ? Json() : Json(default_experts)},
+                {"rows", out}});
     return 0;
   }
-  std::printf("ablate %s; %lld measured steps per row after %lld warm-up, rows interleaved\n\n",
+  std::printf("ablate %s; %lld measured steps per row after %lld warm-up, rows interleaved\n",
               describe(r, config, data).c_str(), static_cast<long long>(r.steps),
               static_cast<long long>(r.warmup));
+  if (!default_experts.empty())
+    std::printf(
+        "original: the reference kernels, experts %s (%s); rows without the Experts kernel run their experts "
+        "as the original does\n",
+        default_experts.c_str(),
+        default_experts == "grouped_mm" ? "transformers' default" : "--experts-baseline");
+  std::printf("\n");
   auto pct = [](double v) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%+.1f", v);
@@ -310,7 +376,8 @@ int ablate_command(const RunArgs& r) {
               {}};
   for (const auto& row : rows)
     table.rows.push_back(
-        {row.name, fixed(row.median_s * 1e3, 1), fixed(row.p25_s * 1e3, 1) + "-" + fixed(row.p75_s * 1e3, 1),
+        {row.name + (&row == &rows.front() && !row.experts.empty() ? " (experts " + row.experts + ")" : ""),
+         fixed(row.median_s * 1e3, 1), fixed(row.p25_s * 1e3, 1) + "-" + fixed(row.p75_s * 1e3, 1),
          fixed(row.min_s * 1e3, 1), pct(row.speedup_pct), fixed(row.median_cpu_s * 1e3, 1),
          pct(row.cpu_speedup_pct), fixed(row.peak_bytes / (1 << 20), 1), fixed(row.final_loss, 4)});
   std::fputs(table.render().c_str(), stdout);

@@ -278,12 +278,32 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
 
 }  // namespace kernmap::reference
 
+namespace kernmap::float64 {
+
+// The references' math from float64, rounded where they round (SiLU's result; then the product) and nowhere
+// else: the most accurate kernels of the layers, what align's noise run binds (docs/training.md, "The
+// verdict").
+at::Tensor silu(const at::Tensor& x) {
+  return at::silu(x.to(at::kDouble)).to(x.scalar_type());
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
+  ops::check_same_shape("float64_silu_and_mul", "gate", gate, "up", up);
+  const at::Tensor act = at::silu(gate.to(at::kDouble)).to(gate.scalar_type());
+  return (act.to(at::kDouble) * up.to(at::kDouble))
+      .to(at::promote_types(gate.scalar_type(), up.scalar_type()));
+}
+
+}  // namespace kernmap::float64
+
 namespace kernmap::ops {
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_silu", &kernmap::reference::silu);
   m.impl("reference_silu_and_mul", &kernmap::reference::silu_and_mul);
   m.impl("reference_swiglu", &kernmap::reference::swiglu);
+  m.impl("float64_silu", &kernmap::float64::silu);
+  m.impl("float64_silu_and_mul", &kernmap::float64::silu_and_mul);
 }
 
 // The layer record: every kernel of the layer and where it is the default (DESIGN §2), registered at
@@ -305,7 +325,16 @@ const LayerRegistrar kSiLULayer("SiLU",
                                       .op = "kernmap::silu",
                                       .description = "one-pass SiLU, SIMD level chosen at run time",
                                       .supports = needs_rank_at_least_1},
-                                  /*default_on=*/{"cpu"}}});
+                                  /*default_on=*/{"cpu"}},
+                                 {KernelDescriptor{.name = "float64/silu",
+                                                   .devices = {"*"},
+                                                   .dtypes = floating_dtypes(),
+                                                   .has_backward = true,
+                                                   .compile_safe = true,
+                                                   .op = "kernmap::float64_silu",
+                                                   .description = "SiLU from float64, rounded once (align's "
+                                                                  "noise run)"},
+                                  /*default_on=*/{}}});
 
 const LayerRegistrar kSiluAndMulLayer("SiluAndMul",
                                       KernelDescriptor{.name = "reference/silu_and_mul",
@@ -324,7 +353,17 @@ const LayerRegistrar kSiluAndMulLayer("SiluAndMul",
                                             .op = "kernmap::silu_and_mul",
                                             .description = "fused silu(gate) * up, one pass each way",
                                             .supports = needs_rank_at_least_1},
-                                        /*default_on=*/{"cpu"}}});
+                                        /*default_on=*/{"cpu"}},
+                                       {KernelDescriptor{.name = "float64/silu_and_mul",
+                                                         .devices = {"*"},
+                                                         .dtypes = floating_dtypes(),
+                                                         .has_backward = true,
+                                                         .compile_safe = true,
+                                                         .op = "kernmap::float64_silu_and_mul",
+                                                         .description = "silu(gate) * up from float64, "
+                                                                        "rounded where the reference rounds "
+                                                                        "(align's noise run)"},
+                                        /*default_on=*/{}}});
 
 }  // namespace kernmap::ops
 

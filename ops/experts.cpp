@@ -12,6 +12,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
+#include "ops/experts_transformers.h"
 #include "ops/grouped_mm.h"
 #include "ops/memory.h"
 
@@ -346,10 +347,41 @@ at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
 
 }  // namespace kernmap::reference
 
+namespace kernmap::float64 {
+
+// The reference loop from float64, rounded where it rounds (each product, the activation, the gated product,
+// the routing weight's product) and summing the experts' rows exactly, rounded once: the most accurate
+// kernel of the layer, what align's noise run binds (docs/training.md, "The verdict").
+at::Tensor experts(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   const at::Tensor& gate_up_proj, const at::Tensor& down_proj) {
+  const at::ScalarType dt = hidden.scalar_type();
+  const at::ScalarType weighted_dt = at::promote_types(dt, topk_weights.scalar_type());
+  auto rounded = [](const at::Tensor& t, at::ScalarType to) { return t.to(to).to(at::kDouble); };
+  const at::Tensor h64 = hidden.to(at::kDouble), w64 = topk_weights.to(at::kDouble);
+  at::Tensor out = at::zeros(hidden.sizes(), hidden.options().dtype(at::kDouble));
+  const at::Tensor ids_by_slot = topk_ids.t();
+  for (int64_t e = 0; e < gate_up_proj.size(0); ++e) {
+    const at::Tensor hit = ids_by_slot.eq(e).nonzero();
+    if (hit.size(0) == 0) continue;
+    const at::Tensor slot = hit.select(1, 0), token = hit.select(1, 1);
+    const at::Tensor current = h64.index_select(0, token);
+    const auto gate_up =
+        rounded(at::linear(current, gate_up_proj.select(0, e).to(at::kDouble)), dt).chunk(2, -1);
+    at::Tensor h = rounded(rounded(at::silu(gate_up[0]), dt) * gate_up[1], dt);
+    h = rounded(at::linear(h, down_proj.select(0, e).to(at::kDouble)), dt);
+    h = rounded(h * w64.index({token, slot}).unsqueeze(-1), weighted_dt);
+    out = out.index_add(0, token, h);
+  }
+  return out.to(dt);
+}
+
+}  // namespace kernmap::float64
+
 namespace kernmap::ops {
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_experts", &kernmap::reference::experts);
+  m.impl("float64_experts", &kernmap::float64::experts);
 }
 
 // The layer record: every kernel of the layer and where it is the default (DESIGN §2), registered at
@@ -374,7 +406,38 @@ const LayerRegistrar kExpertsLayer(
           .op = "kernmap::experts",
           .description = "sorted-token grouped products, fused SiLU-and-mul, deterministic combine",
           .supports = needs_rank_at_least_1},
-      /*default_on=*/{"cpu"}}});
+      /*default_on=*/{"cpu"}},
+     {KernelDescriptor{
+          .name = "float64/experts",
+          .devices = {"*"},
+          .dtypes = floating_dtypes(),
+          .has_backward = true,
+          .compile_safe = false,
+          .op = "kernmap::float64_experts",
+          .description = "the eager loop from float64, rounded where it rounds (align's noise run)"},
+      /*default_on=*/{}},
+     // transformers' own implementations, mapped nowhere by default: what ablate's original rows run
+     // (ops/experts_transformers.cpp). Their ATen ops have Meta implementations, but the sort and histogram
+     // sizes are data-dependent, as in transformers under torch.compile: not marked compile-safe.
+     {KernelDescriptor{.name = "transformers/experts_grouped_mm",
+                       .devices = {"*"},
+                       .dtypes = {"float32", "bfloat16", "float16"},
+                       .has_backward = true,
+                       .compile_safe = false,
+                       .op = "kernmap::transformers_experts_grouped_mm",
+                       .description = "transformers' grouped_mm experts (its default): sorted pairs, "
+                                      "torch._grouped_mm per projection",
+                       .supports = transformers_experts::grouped_mm_supports},
+      /*default_on=*/{}},
+     {KernelDescriptor{.name = "transformers/experts_batched_mm",
+                       .devices = {"*"},
+                       .dtypes = floating_dtypes(),
+                       .has_backward = true,
+                       .compile_safe = false,
+                       .op = "kernmap::transformers_experts_batched_mm",
+                       .description = "transformers' batched_mm experts: a weight copy per (token, slot) "
+                                      "pair, torch.bmm per projection"},
+      /*default_on=*/{}}});
 
 }  // namespace kernmap::ops
 

@@ -445,10 +445,21 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
 
 }  // namespace kernmap::reference
 
+namespace kernmap::float64 {
+
+// Each group's product from float64, rounded once: the most accurate kernel of the layer (align's noise run,
+// docs/training.md "The verdict").
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  return reference::grouped_mm(a.to(at::kDouble), b.to(at::kDouble), offs).to(a.scalar_type());
+}
+
+}  // namespace kernmap::float64
+
 namespace kernmap::ops {
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_grouped_mm", &kernmap::reference::grouped_mm);
+  m.impl("float64_grouped_mm", &kernmap::float64::grouped_mm);
 }
 
 // The layer record: every kernel of the layer and where it is the default (DESIGN §2), registered at
@@ -471,7 +482,15 @@ const LayerRegistrar kGroupedMMLayer(
                        .op = "kernmap::grouped_mm",
                        .description = "grouped product over (group x tile) tasks on the intra-op pool",
                        .supports = needs_rank_at_least_1},
-      /*default_on=*/{"cpu"}}});
+      /*default_on=*/{"cpu"}},
+     {KernelDescriptor{.name = "float64/grouped_mm",
+                       .devices = {"*"},
+                       .dtypes = floating_dtypes(),
+                       .has_backward = true,
+                       .compile_safe = false,
+                       .op = "kernmap::float64_grouped_mm",
+                       .description = "one product per group from float64, rounded once (align's noise run)"},
+      /*default_on=*/{}}});
 
 }  // namespace kernmap::ops
 

@@ -72,6 +72,11 @@ TORCH_LIBRARY(kernmap, m) {
   m.def("release_cached_memory() -> int");
   // Backs a large CPU tensor's memory with 2 MiB pages (expert weights; ops/memory.h): whether it did.
   m.def("advise_huge_pages(Tensor t) -> bool");
+  // The count of CPU memory in tensors (kernmap/memory.h): start counting; [in use, peak] bytes; reset the
+  // peak.
+  m.def("count_cpu_memory() -> ()");
+  m.def("cpu_memory() -> int[]");
+  m.def("reset_cpu_memory_peak() -> ()");
   // Reference kernels: the transformers eager math composed of ATen ops (any device, autograd through ATen).
   m.def("reference_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
@@ -84,6 +89,22 @@ TORCH_LIBRARY(kernmap, m) {
   m.def("reference_silu_and_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("reference_swiglu(Tensor gate_up) -> Tensor");
   m.def("reference_grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
+  // The float64 kernels: each reference's math from float64, rounded where the reference rounds (align's
+  // noise run, docs/training.md).
+  m.def("float64_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("float64_silu(Tensor x) -> Tensor");
+  m.def("float64_silu_and_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("float64_grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
+  m.def(
+      "float64_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor "
+      "down_proj) -> Tensor");
+  // transformers' experts implementations (ops/experts_transformers.cpp): the baselines of `kernmap ablate`.
+  m.def(
+      "transformers_experts_grouped_mm(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor "
+      "gate_up_proj, Tensor down_proj) -> Tensor");
+  m.def(
+      "transformers_experts_batched_mm(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor "
+      "gate_up_proj, Tensor down_proj) -> Tensor");
   m.def(
       "reference_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor "
       "down_proj) -> Tensor");

@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
-#include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
 #include <cerrno>
@@ -48,50 +47,11 @@ size_t cache_cap() {
   return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 4 : size_t(1) << 30;
 }
 
-// Set by MemoryCounter::counter(): from then on the cache counts its blocks in use.
-std::atomic<MemoryCounter*> g_counter{nullptr};
-
-void count(int64_t bytes) {
-  if (MemoryCounter* c = g_counter.load(std::memory_order_acquire)) c->add(bytes);
-}
-
-// Wraps the CPU allocator to count the bytes of its live allocations.
-class CountingAllocator final : public c10::Allocator {
- public:
-  CountingAllocator(c10::Allocator* base, MemoryCounter* counter) : base_(base), counter_(counter) {}
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    auto* ctx = new Context{std::move(inner), n, counter_};
-    counter_->add(static_cast<int64_t>(n));
-    return {data, ctx, &release, device};
-  }
-  void copy_data(void* dest, const void* src, size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-
- private:
-  struct Context {
-    c10::DataPtr inner;
-    size_t bytes;
-    MemoryCounter* counter;
-  };
-  static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    ctx->counter->add(-static_cast<int64_t>(ctx->bytes));
-    delete ctx;  // frees through the wrapped allocator's deleter
-  }
-  c10::Allocator* base_;
-  MemoryCounter* counter_;
-};
-
 struct Block {
   void* map;         // what mmap returned
   size_t map_bytes;  // what mmap mapped
   void* data;        // kAlign-aligned start
   size_t bytes;      // usable bytes from data (a multiple of kAlign)
-  bool counted;      // whether handing it out was counted (MemoryCounter), so its release is
 };
 
 class LargeBlockCache final : public c10::Allocator {
@@ -104,8 +64,7 @@ class LargeBlockCache final : public c10::Allocator {
     const size_t bytes = (std::max<size_t>(n, 1) + kAlign - 1) / kAlign * kAlign;
     Block* b = take(bytes);
     if (!b) b = map_block(bytes);
-    b->counted = g_counter.load(std::memory_order_acquire) != nullptr;
-    if (b->counted) count(static_cast<int64_t>(b->bytes));
+    count_large_block(static_cast<int64_t>(b->bytes));
     return {b->data, b, &LargeBlockCache::free_block, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -141,7 +100,7 @@ class LargeBlockCache final : public c10::Allocator {
  private:
   static void free_block(void* ctx) {
     auto* b = static_cast<Block*>(ctx);
-    if (b->counted) count(-static_cast<int64_t>(b->bytes));
+    count_large_block(-static_cast<int64_t>(b->bytes));
     get().put(b);
   }
 
@@ -196,7 +155,7 @@ class LargeBlockCache final : public c10::Allocator {
     // A hint: an error (no THP support) leaves ordinary pages.
     if (huge_) (void)madvise(data, bytes, MADV_HUGEPAGE);
 #endif
-    return new Block{map, map_bytes, data, bytes, false};
+    return new Block{map, map_bytes, data, bytes};
   }
 
   static void unmap(Block* b) {
@@ -263,33 +222,6 @@ bool advise_huge_pages(const at::Tensor& t) {
 #else
   return false;
 #endif
-}
-
-MemoryCounter& MemoryCounter::counter() {
-  // Never destroyed: tensors may die during static destruction.
-  static MemoryCounter* c = [] {
-    auto* counter = new MemoryCounter();
-    c10::SetCPUAllocator(new CountingAllocator(c10::GetCPUAllocator(), counter), /*priority=*/1);
-    g_counter.store(counter, std::memory_order_release);
-    return counter;
-  }();
-  return *c;
-}
-
-int64_t MemoryCounter::live() const {
-  return live_.load();
-}
-int64_t MemoryCounter::peak() const {
-  return peak_.load();
-}
-void MemoryCounter::reset_peak() {
-  peak_.store(live_.load());
-}
-void MemoryCounter::add(int64_t bytes) {
-  const int64_t now = live_.fetch_add(bytes) + bytes;
-  int64_t peak = peak_.load();
-  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-  }
 }
 
 int64_t cached_large_bytes() {

@@ -4,11 +4,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <atomic>
-#include <cstdint>
-
-#include "kernmap/export.h"
-
 namespace kernmap::ops {
 
 /// at::empty, except that a CPU tensor of at least 16 MiB takes its memory from kernmap's large-block cache:
@@ -34,24 +29,7 @@ int64_t release_large_cache();
 /// applicable, or with KERNMAP_HUGE_PAGES=0.
 bool advise_huge_pages(const at::Tensor& t);
 
-/// Live bytes of CPU tensors and their peak, for measurements (`kernmap ablate`, `kernmap bench ops`; c10
-/// keeps no CPU statistics). The first call to counter() wraps c10's CPU allocator (it only forwards and
-/// counts, for the life of the process) and from then on also counts the large-block cache's blocks in use;
-/// memory allocated before that call is not counted.
-class KERNMAP_API MemoryCounter {
- public:
-  /// The process's counter, started on first use.
-  static MemoryCounter& counter();
-  int64_t live() const;
-  int64_t peak() const;
-  /// Makes the peak the live bytes now (the start of a measured interval).
-  void reset_peak();
-  /// Records an allocation or a release (negative) of bytes.
-  void add(int64_t bytes);
-
- private:
-  MemoryCounter() = default;
-  std::atomic<int64_t> live_{0}, peak_{0};
-};
+/// Adds a large block's bytes to the count of CPU memory in use (kernmap/memory.h; negative when freed).
+void count_large_block(int64_t bytes);
 
 }  // namespace kernmap::ops

@@ -213,10 +213,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 }  // namespace kernmap::reference
 
+namespace kernmap::float64 {
+
+// The contract's math from float64, rounded where the contract rounds (h * r to x's dtype, the weight
+// product to the promoted dtype) and nowhere else: the most accurate kernel of the layer, what align's noise
+// run binds (docs/training.md, "The verdict").
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor h = x.to(at::kDouble);
+  const at::Tensor normed = (h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());
+  return (weight.to(at::kDouble) * normed.to(at::kDouble))
+      .to(at::promote_types(weight.scalar_type(), x.scalar_type()));
+}
+
+}  // namespace kernmap::float64
+
 namespace kernmap::ops {
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_rms_norm", &kernmap::reference::rms_norm);
+  m.impl("float64_rms_norm", &kernmap::float64::rms_norm);
 }
 
 // The layer record: every kernel of the layer and where it is the default (DESIGN §2), registered at
@@ -239,7 +254,16 @@ const LayerRegistrar kRMSNormLayer(
           .op = "kernmap::rms_norm",
           .description = "fused one-pass RMSNorm, fp32 accumulation, SIMD level chosen at run time",
           .supports = needs_rank_at_least_1},
-      /*default_on=*/{"cpu"}}});
+      /*default_on=*/{"cpu"}},
+     {KernelDescriptor{.name = "float64/rms_norm",
+                       .devices = {"*"},
+                       .dtypes = floating_dtypes(),
+                       .has_backward = true,
+                       .compile_safe = true,
+                       .op = "kernmap::float64_rms_norm",
+                       .description = "the reference's math from float64, rounded where it rounds (align's "
+                                      "noise run)"},
+      /*default_on=*/{}}});
 
 }  // namespace kernmap::ops
 

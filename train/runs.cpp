@@ -1,17 +1,15 @@
-// The runs that prove a kernel mapping: alignment (original vs kernelized, step by step) and ablation (step
-// time per kernel, interleaved, with each step's peak CPU memory).
+// The runs that prove a kernel mapping: alignment (original vs kernelized, step by step, judged against the
+// noise floor measured in the same run) and ablation (step time per kernel against transformers' default
+// experts, interleaved, with each step's peak CPU memory).
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
+#include "kernmap/memory.h"
 #include "kernmap/train.h"
-#include "ops/memory.h"
 
 namespace kernmap::train {
 namespace {
-
-double rel_diff(double a, double b) {
-  return std::abs(a - b) / std::max(std::abs(b), 1e-30);
-}
 
 double percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
@@ -31,67 +29,104 @@ std::vector<std::string> layers_of(torch::nn::Module& model) {
   return names;
 }
 
+// The experts implementation a binding runs, by the kernel of its first Experts layer ("" without experts).
+std::string experts_of(const Report& report) {
+  for (const ReportEntry& e : report.entries) {
+    if (e.layer != "Experts") continue;
+    if (!e.fallback) return "kernmap";
+    for (const char* name : {"grouped_mm", "batched_mm", "eager"})
+      if (experts_baseline_kernel(name) == e.kernel) return name;
+    return e.kernel;
+  }
+  return "";
+}
+
 }  // namespace
+
+std::string experts_baseline_kernel(const std::string& implementation) {
+  if (implementation == "grouped_mm") return "transformers/experts_grouped_mm";
+  if (implementation == "batched_mm") return "transformers/experts_batched_mm";
+  if (implementation == "eager") return reference_kernel("Experts")->name;
+  throw std::invalid_argument("unknown experts implementation '" + implementation +
+                              "' (expected grouped_mm, batched_mm or eager)");
+}
+
+const KernelDescriptor* float64_kernel(const std::string& layer) {
+  for (const KernelDescriptor* k : registered_kernels())
+    if (k->layer == layer && k->provider() == "float64") return k;
+  return nullptr;
+}
 
 AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
                   const TrainOptions& options, const LayerSet& layers, int64_t steps, double rtol,
                   const Progress& progress) {
   AlignResult result;
   result.rtol = rtol;
-  auto original_model = make_model();
-  auto kernel_model = make_model();
-  restore_reference(*original_model);
-  result.report = bind_kernels(*kernel_model, layers);
-  Trainer original(original_model, data, options), kernelized(kernel_model, data, options);
-  for (int64_t s = 0; s < steps; ++s) {
-    result.original.push_back(original.step());
-    result.kernelized.push_back(kernelized.step());
-    const StepLog &a = result.original.back(), &b = result.kernelized.back();
-    if (double d = rel_diff(b.loss, a.loss); d >= result.max_loss_rel) {
-      result.max_loss_rel = d;
-      result.worst_loss_step = a.step;
+  Baseline noise_kernels;
+  for (const std::string& layer : layers)
+    if (const KernelDescriptor* k = float64_kernel(layer)) noise_kernels[layer] = k->name;
+  int64_t done = 0;
+  auto run = [&](const std::function<Report(CausalLM&)>& bind, std::vector<StepLog>& logs) {
+    auto model = make_model();
+    Report report = bind(*model);
+    Trainer trainer(model, data, options);
+    for (int64_t s = 0; s < steps; ++s) {
+      logs.push_back(trainer.step());
+      if (progress) progress(++done, 3 * steps);
     }
-    if (double d = rel_diff(b.grad_norm, a.grad_norm); d >= result.max_grad_norm_rel) {
-      result.max_grad_norm_rel = d;
-      result.worst_grad_norm_step = a.step;
-    }
-    if (progress) progress(s + 1, steps);
-  }
-  result.passed = std::isfinite(result.max_loss_rel) && std::isfinite(result.max_grad_norm_rel) &&
-                  result.max_loss_rel <= rtol && result.max_grad_norm_rel <= rtol;
+    return report;
+  };
+  run([](CausalLM& m) { return restore_reference(m); }, result.original);
+  run([&](CausalLM& m) { return bind_kernels(m, {}, noise_kernels); }, result.noise);
+  result.report = run([&](CausalLM& m) { return bind_kernels(m, layers); }, result.kernelized);
+  result.verdict = judge(result.original, result.kernelized, result.noise, rtol);
+  result.max_loss_rel = result.verdict.loss.max_diff;
+  result.max_grad_norm_rel = result.verdict.grad_norm.max_diff;
+  result.worst_loss_step = result.verdict.loss.max_diff_step;
+  result.worst_grad_norm_step = result.verdict.grad_norm.max_diff_step;
+  result.passed = result.verdict.passed;
   return result;
 }
 
 std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
                                 const Dataset& data, const TrainOptions& options, const LayerSet& layers,
-                                int64_t warmup, int64_t steps, const Progress& progress) {
-  ops::MemoryCounter& memory = ops::MemoryCounter::counter();
+                                int64_t warmup, int64_t steps, const Progress& progress,
+                                const std::string& experts, const std::vector<std::string>& more_experts) {
+  count_cpu_memory();
+  const Baseline baseline{{"Experts", experts_baseline_kernel(experts)}};
+  for (const std::string& name : more_experts) experts_baseline_kernel(name);  // unknown names throw first
   std::vector<AblationRow> rows;
   std::vector<std::unique_ptr<Trainer>> trainers;
-  auto add_row = [&](std::string name, LayerSet set) {
+  auto add_row = [&](std::string name, LayerSet set, const Baseline& b) {
     auto model = make_model();
-    bind_kernels(*model, set);
+    const Report report = bind_kernels(*model, set, b);
     trainers.push_back(std::make_unique<Trainer>(model, data, options));
-    rows.push_back({std::move(name), std::move(set)});
+    rows.push_back({std::move(name), std::move(set), experts_of(report)});
   };
-  add_row("original", {});
-  for (const std::string& layer : layers_of(*make_model()))
-    if (layers.count(layer)) add_row("+" + layer, {layer});
+  const std::vector<std::string> model_layers = layers_of(*make_model());
+  const bool has_experts = std::count(model_layers.begin(), model_layers.end(), "Experts") > 0;
+  add_row("original", {}, baseline);
+  if (has_experts)
+    for (const std::string& name : more_experts)
+      if (name != experts)
+        add_row("original (experts " + name + ")", {}, {{"Experts", experts_baseline_kernel(name)}});
+  for (const std::string& layer : model_layers)
+    if (layers.count(layer)) add_row("+" + layer, {layer}, baseline);
   LayerSet all;
   for (const auto& row : rows) all.insert(row.layers.begin(), row.layers.end());
-  add_row("all", all);
+  add_row("all", all, baseline);
 
   const int64_t total = warmup + steps;
   const size_t n = rows.size();
   for (int64_t s = 0; s < total; ++s) {
     for (size_t k = 0; k < n; ++k) {
       const size_t r = (static_cast<size_t>(s) + k) % n;  // rotate the order so no row is always first
-      const int64_t before = memory.live();
-      memory.reset_peak();
+      reset_cpu_memory_peak();
+      const int64_t before = cpu_memory().in_use;
       const StepLog log = trainers[r]->step();
-      rows[r].peak_bytes = std::max(rows[r].peak_bytes, static_cast<double>(memory.peak() - before));
       rows[r].final_loss = log.loss;
-      if (s >= warmup) {
+      if (s >= warmup) {  // warm-up steps also hold one-time allocations (caches, lazily created state)
+        rows[r].peak_bytes = std::max(rows[r].peak_bytes, static_cast<double>(cpu_memory().peak - before));
         rows[r].seconds.push_back(log.seconds);
         rows[r].cpu_seconds.push_back(log.cpu_seconds);
       }

@@ -12,7 +12,9 @@
 #include <ctime>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include "kernmap/train.h"
@@ -189,18 +191,32 @@ LayerSet parse_kernels(const std::string& text) {
   return out;
 }
 
-Report bind_kernels(CausalLM& model, const LayerSet& layers) {
+Report bind_kernels(CausalLM& model, const LayerSet& layers, const Baseline& baseline) {
   Report report = kernelize(model, "", Mode::kTraining);
-  for (const auto& module : model.modules())
-    if (auto* layer = dynamic_cast<KernelLayer*>(module.get()); layer && !layers.count(layer->layer_name()))
-      layer->bind(*reference_kernel(layer->layer_name()));
-  for (ReportEntry& e : report.entries)
-    if (!layers.count(e.layer)) {
-      e.kernel = reference_kernel(e.layer)->name;
-      e.fallback = true;
-      e.source = "reference";
-      e.reason = "not selected by --kernels";
+  std::map<std::string, KernelLayer*> by_path;
+  for (const auto& item : model.named_modules("", /*include_self=*/false))
+    if (auto* layer = dynamic_cast<KernelLayer*>(item.value().get())) by_path[item.key()] = layer;
+  for (ReportEntry& e : report.entries) {
+    if (layers.count(e.layer)) continue;
+    KernelLayer* layer = by_path.at(e.path);
+    const KernelDescriptor* kernel = reference_kernel(layer->layer_name());
+    e.reason = "not selected by --kernels";
+    if (auto it = baseline.find(layer->layer_name()); it != baseline.end()) {
+      const KernelDescriptor* chosen = find_kernel(it->second);
+      if (chosen == nullptr)
+        throw std::invalid_argument("baseline kernel '" + it->second + "' is not registered");
+      const std::optional<std::string> why_not =
+          chosen->supports ? chosen->supports(layer->kernel_inputs()) : std::nullopt;
+      if (why_not)
+        e.reason += "; baseline " + chosen->name + " cannot run it: " + *why_not;
+      else
+        kernel = chosen;
     }
+    layer->bind(*kernel);
+    e.kernel = kernel->name;
+    e.fallback = true;
+    e.source = kernel == reference_kernel(layer->layer_name()) ? "reference" : "baseline";
+  }
   return report;
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <map>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -195,47 +196,112 @@ class KERNMAP_API Trainer {
 using LayerSet = std::set<std::string>;
 /// "all", "none" or a comma list of layer names; throws std::invalid_argument for an unknown name.
 KERNMAP_API LayerSet parse_kernels(const std::string& text);
+/// The kernels a run's unselected layers run instead of their references: layer -> kernel name.
+using Baseline = std::map<std::string, std::string>;
 /// Kernelizes the layers in `layers` for training on the model's device and binds every other kernel layer to
-/// its reference. Returns the kernelize report of the final binding.
-KERNMAP_API Report bind_kernels(CausalLM& model, const LayerSet& layers);
+/// its baseline kernel (when it takes the layer's inputs) or its reference. Returns the kernelize report of
+/// the final binding.
+KERNMAP_API Report bind_kernels(CausalLM& model, const LayerSet& layers, const Baseline& baseline = {});
 
 /// Called after each step of a run: (steps done, steps in all).
 using Progress = std::function<void(int64_t, int64_t)>;
 
-/// Original (all references) and kernelized runs of the same model, data and seed, step by step.
-struct KERNMAP_API AlignResult {
-  std::vector<StepLog> original, kernelized;
-  Report report;  ///< the kernelized run's binding
-  double max_loss_rel = 0, max_grad_norm_rel = 0;
-  int64_t worst_loss_step = 0, worst_grad_norm_step = 0;
-  double rtol = 0;
+/// |value - original| / |original| (the denominator at least 1e-30); +inf when not finite.
+KERNMAP_API double rel_diff(double value, double original);
+
+/// How far above the measured noise floor a correct kernel's difference may lie (docs/training.md, "The
+/// verdict": the measurements behind it). Python's NOISE_FACTOR is the same number.
+constexpr double kNoiseFactor = 10.0;
+
+/// One metric's verdict, per step s (0-based here, 1-based in the steps named):
+/// diff = rel_diff(kernelized, original); noise = rel_diff(noise run, original), 0 when not finite;
+/// floor = the largest noise up to s; tolerance = max(rtol, noise_factor * floor). Passed when every diff is
+/// within its tolerance (a non-finite diff never is).
+KERNMAP_API struct MetricVerdict {
+  std::vector<double> diff, noise, floor, tolerance;
+  double max_diff = 0;        ///< the largest diff
+  int64_t max_diff_step = 0;  ///< its step (the last of equals)
+  int64_t worst_step = 0;     ///< the step of the largest diff / tolerance (the first of equals)
+  bool passed = true;
+};
+/// The verdict on loss and grad_norm: passed when both pass.
+KERNMAP_API struct Verdict {
+  MetricVerdict loss, grad_norm;
+  double rtol = 0, noise_factor = kNoiseFactor;
   bool passed = false;
+};
+/// Throws std::invalid_argument when the series differ in length.
+KERNMAP_API MetricVerdict judge_metric(const std::vector<double>& original,
+                                       const std::vector<double>& kernelized,
+                                       const std::vector<double>& noise_run, double rtol,
+                                       double noise_factor = kNoiseFactor);
+KERNMAP_API Verdict judge(const std::vector<StepLog>& original, const std::vector<StepLog>& kernelized,
+                          const std::vector<StepLog>& noise_run, double rtol,
+                          double noise_factor = kNoiseFactor);
+
+/// What align's noise run is, in the words both commands print.
+inline constexpr const char* kNoiseRun =
+    "the original with the selected layers on their float64 kernels (the reference's math from float64, "
+    "rounded "
+    "where it rounds)";
+
+/// The float64 kernel of a layer (provider "float64": the reference's math from float64, rounded where the
+/// reference rounds), or nullptr when the layer has none.
+KERNMAP_API const KernelDescriptor* float64_kernel(const std::string& layer);
+
+/// Original (all references) and kernelized runs of the same model, data and seed, step by step, and the
+/// noise run: the original with every selected layer on its float64 kernel, a correct kernel whose rounding
+/// differs from the reference's where the kernels' does, so it drifts from the original as correct arithmetic
+/// drifts on this machine and this model (docs/training.md, "The verdict"). The runs train one after another,
+/// so one model is held at a time.
+KERNMAP_API struct AlignResult {
+  std::vector<StepLog> original, kernelized, noise;
+  Report report;  ///< the kernelized run's binding
+  Verdict verdict;
+  double max_loss_rel = 0, max_grad_norm_rel = 0;  ///< verdict.loss.max_diff, verdict.grad_norm.max_diff
+  int64_t worst_loss_step = 0, worst_grad_norm_step = 0;  ///< their steps
+  double rtol = 0;
+  bool passed = false;  ///< verdict.passed
 };
 /// make_model() must return the same initial model each call.
 KERNMAP_API AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model,
                               const Dataset& data, const TrainOptions& options, const LayerSet& layers,
                               int64_t steps, double rtol, const Progress& progress = {});
 
-/// One row of the ablation table. Every member has a default initializer: a row starts from its name and
-/// layers.
+/// transformers' experts implementations an ablation's original rows run ("grouped_mm", transformers 5.23's
+/// default; "batched_mm"; "eager", the reference loop): their kernel names; throws std::invalid_argument for
+/// another name.
+KERNMAP_API std::string experts_baseline_kernel(const std::string& implementation);
+
+/// One row of the ablation table. Every member has a default initializer: a row starts from its name,
+/// layers and experts.
 struct KERNMAP_API AblationRow {
-  std::string name{};  ///< "original", "+RMSNorm", "+SiluAndMul", "+Experts", "+ForCausalLMLoss", "all"
+  std::string name{};  ///< "original", "original (experts eager)", "+RMSNorm", "+Experts", ..., "all"
   LayerSet layers{};
+  /// The experts implementation the row's Experts layers run ("grouped_mm", "batched_mm", "eager", or
+  /// "kernmap" when it binds the Experts kernel); empty for a model without experts.
+  std::string experts{};
   std::vector<double> seconds{};      ///< measured steps (warm-up excluded), wall clock
   std::vector<double> cpu_seconds{};  ///< the same steps in process CPU time
   double median_s = 0, p25_s = 0, p75_s = 0, min_s = 0;
   double median_cpu_s = 0;
   double speedup_pct = 0;      ///< (original median / this median - 1) * 100, wall clock
   double cpu_speedup_pct = 0;  ///< the same on the CPU-time medians
-  double peak_bytes = 0;       ///< most CPU memory allocated during one step, above what was held before it
+  double peak_bytes = 0;  ///< most CPU memory in tensors during one measured step, above what was held before
+                          ///< it (kernmap/memory.h: c10's CPU allocator and kernmap's large blocks)
   double final_loss = 0;
 };
-/// Rows original, +each layer the model has (of `layers`), all; each row trains its own copy of the model on
-/// the same batches. Steps are interleaved (step s of every row before step s+1 of any, rows in a rotating
-/// order) so that machine drift hits all rows alike.
+/// Rows original (the references, experts as `experts`: transformers' default), one more original row per
+/// implementation in `more_experts`, +each layer the model has (of `layers`), all; rows without the Experts
+/// kernel run their experts as the original does. Each row trains its own copy of the model on the same
+/// batches. Steps are interleaved (step s of every row before step s+1 of any, rows in a rotating order) so
+/// that machine drift hits all rows alike. When the grouped_mm baseline cannot take the model's sizes, its
+/// rows run the eager loop (and say so in `experts`).
 KERNMAP_API std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
                                             const Dataset& data, const TrainOptions& options,
                                             const LayerSet& layers, int64_t warmup, int64_t steps,
-                                            const Progress& progress = {});
+                                            const Progress& progress = {},
+                                            const std::string& experts = "grouped_mm",
+                                            const std::vector<std::string>& more_experts = {});
 
 }  // namespace kernmap::train

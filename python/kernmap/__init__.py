@@ -58,12 +58,32 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     CPU tensor, or KERNMAP_HUGE_PAGES=0). ``kernmap.kernelize`` does it for the experts it maps on CPU."""
     return bool(torch.ops.kernmap.advise_huge_pages(tensor.detach()))
 
+def count_cpu_memory() -> None:
+    """Starts counting the CPU memory of tensors (idempotent, for the life of the process): c10's CPU allocator is
+    wrapped by one that counts and forwards, and kernmap's large blocks are counted too. Memory that libraries
+    allocate outside c10 (BLAS and oneDNN scratch) is not. `python -m kernmap ablate` reads each step's peak."""
+    torch.ops.kernmap.count_cpu_memory()
+
+
+def cpu_memory() -> dict[str, int]:
+    """``{"in_use": bytes, "peak": bytes}``: CPU memory in tensors now, and the most at once since the last
+    `reset_cpu_memory_peak` (c10's allocations count from the first `count_cpu_memory`)."""
+    in_use, peak = torch.ops.kernmap.cpu_memory()
+    return {"in_use": int(in_use), "peak": int(peak)}
+
+
+def reset_cpu_memory_peak() -> None:
+    """Sets the peak of `cpu_memory` to what is in use now."""
+    torch.ops.kernmap.reset_cpu_memory_peak()
+
+
 __all__ = [
     "Decision", "Kernel", "KernelizeError", "KernmapError", "PluginError", "Report", "Row", "advise_huge_pages",
     "cached_memory_bytes",
-    "clear_user_mappings",
+    "clear_user_mappings", "count_cpu_memory", "cpu_memory",
     "effective_mapping", "kernelize", "kernels", "library_path", "load_mapping_file", "load_plugins", "ops",
     "plugin_report", "register_default_mapping", "register_kernel", "register_mapping", "release_cached_memory",
+    "reset_cpu_memory_peak",
     "resolve", "use_mapping",
     "write_lock",
 ]

@@ -51,3 +51,23 @@ def expected_layers(family: str) -> dict[str, int]:
         layers["SiluAndMul"] = 2
         layers["SiLU"] = 2  # the MLP's act_fn (used only if the MLP falls back)
     return layers
+
+
+def save_checkpoint(family: str, path, seed: int = 0):
+    """A tiny checkpoint folder as from_pretrained reads it: config.json, model.safetensors and a Qwen2 tokenizer
+    of single letters ("<pad>" 0, "<eos>" 1, "<unk>" 2, the space 3, "a".."z" 4..29, no merges), so that TRL's
+    SFTTrainer finds a processing class. Qwen families only: AutoTokenizer picks the tokenizer class by model
+    type."""
+    import string
+
+    from transformers import Qwen2Tokenizer
+
+    model = make_model(family, seed=seed)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.save_pretrained(path)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for ch in "\u0120" + string.ascii_lowercase:  # \u0120: byte-level BPE's space
+        vocab[ch] = len(vocab)
+    Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<unk>", pad_token="<pad>",
+                   eos_token="<eos>").save_pretrained(path)
+    return model

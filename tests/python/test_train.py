@@ -1,5 +1,6 @@
-"""`kernmap train | align`: a 20-step SFT run of the C++ model equals the same run in PyTorch/transformers
-(torch.optim.AdamW + clip_grad_norm_) step by step; kernelized runs align with the original on every preset;
+"""`kernmap train | align | ablate`: a 20-step SFT run of the C++ model equals the same run in PyTorch/transformers
+(torch.optim.AdamW + clip_grad_norm_) step by step; kernelized runs align with the original on every preset, judged
+against the noise run's floor; ablate's original runs transformers' default experts;
 resume continues the exact loss sequence; a save killed mid-way leaves the previous checkpoint loadable;
 malformed JSONL lines are reported with their numbers.
 
@@ -124,14 +125,23 @@ def test_sft_run_equals_transformers(family, kernels, tmp_path, kernmap):
 def test_align_passes_on_presets(preset, kernmap):
     out = json.loads(kernmap("align", "--preset", preset, "--steps", 20, "--seq-len", 64, "--json").stdout)
     assert out["passed"], (out["max_loss_rel"], out["max_grad_norm_rel"])
-    assert out["max_loss_rel"] <= 1e-5 and out["max_grad_norm_rel"] <= 1e-5
     assert all(not layer["fallback"] for layer in out["kernels"]["layers"])
-    assert len(out["original"]) == len(out["kernelized"]) == 20
+    assert len(out["original"]) == len(out["noise"]) == len(out["kernelized"]) == 20
+    for metric in ("loss", "grad_norm"):
+        v = out["verdict"][metric]
+        assert all(d <= t for d, t in zip(v["diff"], v["tolerance"]))
+        assert all(t >= 1e-5 for t in v["tolerance"]) and v["floor"] == sorted(v["floor"])
+        # the noise run really ran another kernel: it is not the original's run again, nor the kernelized one
+        assert [s[metric] for s in out["noise"]] != [s[metric] for s in out["original"]]
+    assert out["max_loss_rel"] == out["verdict"]["loss"]["max_diff"]
 
 
-def test_align_human_output_has_a_verdict(kernmap):
+def test_align_human_output_has_the_noise_floor_and_a_verdict(kernmap):
     out = kernmap("align", "--preset", "qwen2-tiny", "--steps", 3, "--seq-len", 32).stdout
-    assert "verdict: PASS" in out and "grad_norm" in out
+    assert "noise floor: the original with the selected layers on their float64 kernels" in out
+    header = next(line for line in out.splitlines() if line.startswith("step"))
+    assert header.split("  ")[0] == "step" and "noise" in header and "tolerance" in header
+    assert "verdict: PASS" in out and "x noise floor" in out
 
 
 def test_resume_continues_the_exact_sequence(tmp_path, kernmap):
@@ -207,5 +217,23 @@ def test_ablate_rows_and_numbers(kernmap):
         assert len(r["seconds"]) == 3 and r["p25_s"] <= r["median_s"] <= r["p75_s"] and r["peak_bytes"] > 0
         assert r["final_loss"] == pytest.approx(rows["original"]["final_loss"], rel=1e-5)
     assert rows["original"]["speedup_pct"] == 0
+    # The original runs transformers' default experts implementation, as does every row without the kernel.
+    assert out["experts_implementation"] == "grouped_mm"
+    assert [r["experts"] for r in out["rows"]] == ["grouped_mm", "grouped_mm", "kernmap", "kernmap"]
     text = kernmap("ablate", "--preset", "qwen2-tiny", "--steps", 2, "--warmup", 0, "--seq-len", 16).stdout
     assert "+SiluAndMul" in text and "speedup %" in text and "peak MiB" in text
+    assert "experts" not in text  # a dense model: no experts rows or note
+
+
+def test_ablate_experts_baselines():
+    out = json.loads(kernmap("ablate", "--preset", "qwen3-moe-tiny", "--steps", 1, "--warmup", 0, "--seq-len", 16,
+                             "--kernels", "Experts", "--experts-baseline", "eager,batched_mm", "--json").stdout)
+    assert [(r["name"], r["experts"]) for r in out["rows"]] == [
+        ("original", "grouped_mm"), ("original (experts eager)", "eager"),
+        ("original (experts batched_mm)", "batched_mm"), ("+Experts", "kernmap"), ("all", "kernmap")]
+    losses = [r["final_loss"] for r in out["rows"]]
+    assert losses == pytest.approx([losses[0]] * len(losses), rel=1e-5)  # every implementation trains the same
+    text = kernmap("ablate", "--preset", "qwen3-moe-tiny", "--steps", 1, "--warmup", 0, "--seq-len", 16).stdout
+    assert "original (experts grouped_mm)" in text and "transformers' default" in text
+    bad = kernmap("ablate", "--preset", "qwen3-moe-tiny", "--experts-baseline", "eager,loop", check=False)
+    assert bad.returncode == 2 and "--experts-baseline" in bad.stderr and "'eager,loop'" in bad.stderr

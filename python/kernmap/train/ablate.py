@@ -1,0 +1,151 @@
+"""``python -m kernmap ablate``: step time of the original model (as transformers runs it: for MoE models its
+default experts implementation, grouped_mm in transformers 5.23), of more originals with other experts
+implementations (--experts-baseline), of each kernel alone and of all of them, with --compile torch.compile of
+the original and of all. Each row trains its own copy on the same batches; rows are interleaved (step s of every
+row before step s+1 of any, in an order that rotates each step) so that machine drift hits all rows alike. Per
+row: the median step time after warm-up, the spread, the speedup over the original, CPU time, and the peak
+memory of a step (kernmap's count of CPU memory in tensors, reset before each step: per row, whatever the other
+rows hold)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+import kernmap
+
+from . import distributed, options
+from .errors import UsageError
+from .models import Setup, layers_of
+from .output import fixed, json_document, pct, progress_bar, render
+from .session import Session, open_session
+from .trainer import Trainer
+
+
+@dataclass
+class Row:
+    name: str
+    setup: Setup
+    experts: str | None  # the experts implementation the row runs (None: no experts)
+    seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
+    peak_bytes: float = 0.0
+    final_loss: float = 0.0
+
+    def stats(self) -> dict:
+        s = sorted(self.seconds)
+        return {"median_s": percentile(s, 0.5), "p25_s": percentile(s, 0.25), "p75_s": percentile(s, 0.75),
+                "min_s": s[0] if s else float("nan"), "median_cpu_s": statistics.median(self.cpu_seconds)
+                if self.cpu_seconds else float("nan")}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the nearest ranks (the C++ command's percentile)."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def plan_rows(session: Session) -> list[Row]:
+    args, models = session.args, session.models
+    default = models.default_experts
+    rows = [Row("original", Setup(), default)]
+    if default is not None:
+        for name in args.experts_baseline:
+            if name != default:
+                rows.append(Row(f"original (experts {name})", Setup(experts=name), name))
+    present = [layer for layer in layers_of(models.base, session.parallel.device) if layer in session.layers]
+    for layer in present:
+        rows.append(Row(f"+{layer}", Setup(frozenset({layer})), "kernmap" if layer == "Experts" else default))
+    every = frozenset(present)
+    all_experts = "kernmap" if "Experts" in every else default
+    rows.append(Row("all", Setup(every), all_experts))
+    if args.compile:
+        rows += [Row("original+compile", Setup(compile=True), default),
+                 Row("all+compile", Setup(every, compile=True), all_experts)]
+    return rows
+
+
+def ablate(session: Session) -> list[Row]:
+    args = session.args
+    kernmap.count_cpu_memory()
+    rows = plan_rows(session)
+    trainers = [Trainer(session.models.make(r.setup)[0], session.data, session.options, session.parallel,
+                        session.models.pad_id) for r in rows]
+    total = args.warmup + args.steps
+    progress = progress_bar("ablate", session.parallel.main and not args.json)
+    for s in range(total):
+        for k in range(len(rows)):
+            r = (s + k) % len(rows)  # rotate the order so no row is always first
+            kernmap.reset_cpu_memory_peak()
+            before = kernmap.cpu_memory()["in_use"]
+            log = trainers[r].step()
+            rows[r].final_loss = log.loss
+            if s >= args.warmup:  # warm-up steps also hold one-time allocations (AdamW's state, caches)
+                rows[r].peak_bytes = max(rows[r].peak_bytes, kernmap.cpu_memory()["peak"] - before)
+                rows[r].seconds.append(log.seconds)
+                rows[r].cpu_seconds.append(log.cpu_seconds)
+        if progress:
+            progress(s + 1, total)
+    return rows
+
+
+def to_json(session: Session, rows: list[Row]) -> dict:
+    base = rows[0].stats()
+    out = []
+    for r in rows:
+        st = r.stats()
+        out.append({"name": r.name, "experts": r.experts, **st,
+                    "speedup_pct": (base["median_s"] / st["median_s"] - 1) * 100,
+                    "cpu_speedup_pct": (base["median_cpu_s"] / st["median_cpu_s"] - 1) * 100,
+                    "peak_bytes": r.peak_bytes, "final_loss": r.final_loss, "seconds": r.seconds})
+    return {"model": session.source.name, "parallel": {"kind": session.parallel.kind, "world": session.parallel.world},
+            "experts_implementation": session.models.default_experts, "rows": out}
+
+
+def print_human(session: Session, rows: list[Row]) -> None:
+    args = session.args
+    default = session.models.default_experts
+    session.say(f"ablate {session.describe()}; {args.steps} measured steps per row after {args.warmup} warm-up, "
+                f"rows interleaved\n")
+    if default is not None:
+        session.say(f"original: the model as transformers runs it, experts {default} (transformers' default); "
+                    f"rows without the Experts kernel run their experts as the original does\n")
+    session.say("\n")
+    data = to_json(session, rows)["rows"]
+    header = ["kernels", "median ms/step", "spread (p25-p75) ms", "min ms", "speedup %", "cpu ms/step",
+              "cpu speedup %", "peak MiB", "final loss"]
+    table = []
+    for i, r in enumerate(data):
+        name = r["name"] + (f" (experts {default})" if i == 0 and default is not None else "")
+        table.append([name, fixed(r["median_s"] * 1e3, 1), f"{fixed(r['p25_s'] * 1e3, 1)}-{fixed(r['p75_s'] * 1e3, 1)}",
+                      fixed(r["min_s"] * 1e3, 1), pct(r["speedup_pct"]), fixed(r["median_cpu_s"] * 1e3, 1),
+                      pct(r["cpu_speedup_pct"]), fixed(r["peak_bytes"] / (1 << 20), 1), fixed(r["final_loss"], 4)])
+    session.say(render(header, table))
+
+
+def main(argv: list[str]) -> int:
+    args = options.parse("ablate", argv)
+    try:
+        session = open_session(args)
+        rows = ablate(session)
+        if args.json:
+            session.say(json_document(to_json(session, rows)))
+        else:
+            print_human(session, rows)
+        return 0
+    except UsageError as e:
+        sys.stderr.write(f"kernmap ablate: {e}\n")
+        return 2
+    except (ValueError, OSError) as e:
+        sys.stderr.write(f"kernmap ablate: {e}\n")
+        return 1
+    finally:
+        distributed.stop()

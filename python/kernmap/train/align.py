@@ -1,0 +1,163 @@
+"""``python -m kernmap align``: the original model and the kernelized one trained on the same batches, and a
+third run that measures how far correct arithmetic drifts on this machine and this model — the original with
+every selected layer on its float64 kernel (the reference's math from float64, rounded where the reference
+rounds: the most accurate kernel of the layer); per step the loss and grad_norm of each, their differences, and
+the verdict (kernmap/train/verdict.py, the C++ command's rule). With --compile, torch.compile of the original and
+of the kernelized model are judged too. The runs train one after another, so one model is held at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from . import distributed, options
+from .errors import UsageError
+from .models import Setup
+from .output import fixed, json_document, progress_bar, render, sci
+from .session import Session, open_session
+from .trainer import StepLog, Trainer
+from .verdict import Verdict, judge
+
+NOISE_RUN = ("the original with the selected layers on their float64 kernels (the reference's math from float64, "
+             "rounded where it rounds)")
+
+
+@dataclass
+class Run:
+    name: str
+    setup: Setup
+    logs: list[StepLog] = field(default_factory=list)
+
+    def series(self) -> dict[str, list[float]]:
+        return {"loss": [s.loss for s in self.logs], "grad_norm": [s.grad_norm for s in self.logs]}
+
+
+@dataclass
+class AlignResult:
+    runs: dict[str, Run]
+    verdicts: dict[str, Verdict]  # every judged run's, by run name
+    report: object  # the kernelized model's kernelize report
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.verdicts.values())
+
+
+def align(session: Session) -> AlignResult:
+    args = session.args
+    runs = [Run("original", Setup()), Run("noise", Setup(session.layers, float64=True)),
+            Run("kernelized", Setup(session.layers))]
+    if args.compile:
+        runs += [Run("original+compile", Setup(compile=True)),
+                 Run("kernelized+compile", Setup(session.layers, compile=True))]
+    report = None
+    progress = progress_bar("align", session.parallel.main and not args.json)
+    total = len(runs) * args.steps
+    for run in runs:
+        model, run_report = session.models.make(run.setup)
+        report = run_report if run.name == "kernelized" else report
+        trainer = Trainer(model, session.data, session.options, session.parallel, session.models.pad_id)
+        for _ in range(args.steps):
+            run.logs.append(trainer.step())
+            if progress:
+                progress(sum(len(r.logs) for r in runs), total)
+        del trainer, model
+    by_name = {r.name: r for r in runs}
+    original, noise = by_name["original"].series(), by_name["noise"].series()
+    verdicts = {r.name: judge(original, r.series(), noise, args.rtol) for r in runs
+                if r.name not in ("original", "noise")}
+    return AlignResult(by_name, verdicts, report)
+
+
+def kernels_json(report) -> dict:
+    """The kernelize report in the C++ command's shape ({"device", "mode", "layers": [...]})."""
+    if report is None:
+        return {"device": None, "mode": "training", "layers": []}
+    return {"device": report.device, "mode": report.mode,
+            "layers": [{"path": r.path, "module": r.module, "layer": r.layer, "kernel": r.kernel,
+                        "fallback": r.fallback, "reason": r.reason} for r in report.rows]}
+
+
+def to_json(session: Session, result: AlignResult) -> dict:
+    main = result.verdicts["kernelized"]
+    out = {"model": session.source.name, "passed": result.passed, "rtol": main.rtol,
+           "noise_factor": main.noise_factor, "max_loss_rel": main.loss.max_diff,
+           "max_grad_norm_rel": main.grad_norm.max_diff, "kernels": kernels_json(result.report),
+           "parallel": {"kind": session.parallel.kind, "world": session.parallel.world},
+           "lora": None if session.models.lora is None else vars(session.models.lora),
+           "gradient_checkpointing": session.models.gradient_checkpointing,
+           "experts_implementation": session.models.default_experts,
+           "verdict": main.to_dict(), "compile": {}}
+    for name, run in result.runs.items():
+        steps = [s.to_dict() for s in run.logs]
+        if name.endswith("+compile"):
+            out["compile"][name] = {"steps": steps, "verdict": result.verdicts.get(name, None) and
+                                    result.verdicts[name].to_dict()}
+        else:
+            out[name] = steps
+    return out
+
+
+def bound_kernels(report) -> str:
+    names = list(dict.fromkeys(r.kernel for r in (report.rows if report else []) if not r.fallback))
+    return ", ".join(names) if names else "none (all reference)"
+
+
+def step_table(original: list[StepLog], other: list[StepLog], name: str, verdict: Verdict) -> str:
+    header = ["step", "loss original", f"loss {name}", "rel diff", "noise", "tolerance", "grad_norm original",
+              f"grad_norm {name}", "rel diff", "noise", "tolerance"]
+    rows = []
+    for i, (a, b) in enumerate(zip(original, other)):
+        loss, norm = verdict.loss, verdict.grad_norm
+        rows.append([str(a.step), fixed(a.loss, 6), fixed(b.loss, 6), sci(loss.diff[i]), sci(loss.noise[i]),
+                     sci(loss.tolerance[i]), fixed(a.grad_norm, 6), fixed(b.grad_norm, 6), sci(norm.diff[i]),
+                     sci(norm.noise[i]), sci(norm.tolerance[i])])
+    return render(header, rows)
+
+
+def verdict_line(verdict: Verdict) -> str:
+    """The C++ command's verdict line (cli/train_cmd.cpp)."""
+    loss, norm = verdict.loss, verdict.grad_norm
+
+    def closest(m) -> str:
+        s = m.worst_step - 1
+        return f"{sci(m.diff[s])} of {sci(m.tolerance[s])} (step {m.worst_step})"
+
+    return (f"verdict: {'PASS' if verdict.passed else 'FAIL'} — largest relative difference: loss "
+            f"{sci(loss.max_diff)} (step {loss.max_diff_step}), grad_norm {sci(norm.max_diff)} (step "
+            f"{norm.max_diff_step}); closest to its tolerance: loss {closest(loss)}, grad_norm {closest(norm)}; "
+            f"tolerance max(rtol {sci(verdict.rtol)}, {verdict.noise_factor:g} x noise floor), noise floor up to "
+            f"loss {sci(loss.floor[-1])}, grad_norm {sci(norm.floor[-1])}")
+
+
+def print_human(session: Session, result: AlignResult) -> None:
+    args = session.args
+    experts = session.models.default_experts
+    session.say(f"align {session.describe()}, {args.steps} steps, kernels: {bound_kernels(result.report)}\n"
+                f"original: the model as transformers runs it{f' (experts {experts})' if experts else ''}; "
+                f"noise floor: {NOISE_RUN}\n")
+    original = result.runs["original"].logs
+    for name, verdict in result.verdicts.items():
+        session.say("\n" + step_table(original, result.runs[name].logs, name, verdict) + "\n")
+        session.say((f"{name}: " if len(result.verdicts) > 1 else "") + verdict_line(verdict) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    args = options.parse("align", argv)
+    try:
+        session = open_session(args)
+        result = align(session)
+        if args.json:
+            session.say(json_document(to_json(session, result)))
+        else:
+            print_human(session, result)
+        return 0 if result.passed else 1
+    except UsageError as e:
+        sys.stderr.write(f"kernmap align: {e}\n")
+        return 2
+    except (ValueError, OSError) as e:
+        sys.stderr.write(f"kernmap align: {e}\n")
+        return 1
+    finally:
+        distributed.stop()

@@ -1,0 +1,96 @@
+"""The verdict of an alignment run: one definition for the C++ command (train/verdict.cpp) and Python, written
+out in docs/training.md ("The verdict") and checked against the same cases (tests/data/verdict_cases.json) by
+tests/cpp/test_verdict.cpp and tests/python/test_verdict.py.
+
+Per step s and metric m (loss, grad_norm):
+
+    diff(s)      = |kernelized(s) - original(s)| / |original(s)|
+    noise(s)     = |noise_run(s) - original(s)| / |original(s)|     (non-finite: 0)
+    floor(s)     = max(noise(1..s))
+    tolerance(s) = max(rtol, NOISE_FACTOR * floor(s))
+
+PASS when diff(s) <= tolerance(s) at every step for both metrics (a non-finite diff fails). The noise run is the
+original trained on the same batches with each process's examples in another order: exact in real arithmetic,
+so what it moves is the rounding of every sum over tokens, which AdamW then amplifies as it amplifies a kernel's
+other summation order. A non-finite noise value counts as 0, so a broken noise run can only tighten the
+verdict."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# How far above the noise floor a correct kernel's difference may lie. Measured (docs/training.md, "The
+# verdict"): over every family, CPU level and thread count tried, a correct kernel's difference stayed below
+# 3.2x the noise floor; a kernel wrong by 1e-3 in one layer exceeds the tolerance at its first steps, where the
+# floor is still near 1e-7.
+NOISE_FACTOR = 10.0
+TINY = 1e-30  # the denominator's floor, so an original value of 0 gives a finite difference
+
+
+def rel_diff(value: float, original: float) -> float:
+    d = abs(value - original) / max(abs(original), TINY)
+    return d if math.isfinite(d) else math.inf
+
+
+@dataclass
+class MetricVerdict:
+    diff: list[float]
+    noise: list[float]
+    floor: list[float]
+    tolerance: list[float]
+    max_diff: float  # the largest diff, at max_diff_step (1-based; the last of equals)
+    max_diff_step: int
+    worst_step: int  # the step closest to (or furthest beyond) its tolerance: largest diff / tolerance
+    passed: bool
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Verdict:
+    loss: MetricVerdict
+    grad_norm: MetricVerdict
+    rtol: float
+    noise_factor: float
+    passed: bool
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "rtol": self.rtol, "noise_factor": self.noise_factor,
+                "loss": self.loss.to_dict(), "grad_norm": self.grad_norm.to_dict()}
+
+
+def judge_metric(original: Sequence[float], kernelized: Sequence[float], noise_run: Sequence[float], rtol: float,
+                 noise_factor: float = NOISE_FACTOR) -> MetricVerdict:
+    if not (len(original) == len(kernelized) == len(noise_run)):
+        raise ValueError(f"judge: the runs must have the same number of steps, got original {len(original)}, "
+                         f"kernelized {len(kernelized)}, noise {len(noise_run)}")
+    diff, noise, floor, tolerance = [], [], [], []
+    running = 0.0
+    for o, k, n in zip(original, kernelized, noise_run):
+        diff.append(rel_diff(k, o))
+        d = rel_diff(n, o)
+        noise.append(d if math.isfinite(d) else 0.0)
+        running = max(running, noise[-1])
+        floor.append(running)
+        tolerance.append(max(rtol, noise_factor * running))
+    max_diff, max_diff_step, worst_step, worst_ratio = 0.0, 0, 0, -1.0
+    for s, (d, t) in enumerate(zip(diff, tolerance), start=1):
+        if d >= max_diff:
+            max_diff, max_diff_step = d, s
+        ratio = d / t if t > 0 else (math.inf if d > 0 else 0.0)
+        if ratio > worst_ratio:
+            worst_ratio, worst_step = ratio, s
+    passed = all(d <= t for d, t in zip(diff, tolerance))
+    return MetricVerdict(diff, noise, floor, tolerance, max_diff, max_diff_step, worst_step, passed)
+
+
+def judge(original: dict[str, Sequence[float]], kernelized: dict[str, Sequence[float]],
+          noise_run: dict[str, Sequence[float]], rtol: float, noise_factor: float = NOISE_FACTOR) -> Verdict:
+    """Runs as {"loss": [...], "grad_norm": [...]}, one value per step."""
+    loss = judge_metric(original["loss"], kernelized["loss"], noise_run["loss"], rtol, noise_factor)
+    grad_norm = judge_metric(original["grad_norm"], kernelized["grad_norm"], noise_run["grad_norm"], rtol,
+                             noise_factor)
+    return Verdict(loss, grad_norm, rtol, noise_factor, loss.passed and grad_norm.passed)

@@ -1,0 +1,110 @@
+// align's verdict where it must hold on every machine: the three presets' correct kernels PASS and a kernel
+// wrong by 1e-3 in one layer (RMSNorm's output times 1 + 1e-3) FAILs, at every CPU level this machine runs
+// and with 1 and 2 intra-op threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/cpu/isa.h"
+#include "kernmap/ops.h"
+#include "kernmap/train.h"
+
+namespace {
+
+at::Tensor perturbed_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static auto reference = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("kernmap::reference_rms_norm", "")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return reference.call(x, weight, eps) * (1 + 1e-3);
+}
+
+TORCH_LIBRARY(kernmap_test_align, m) {
+  m.def("rms_norm_perturbed(Tensor x, Tensor weight, float eps) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(kernmap_test_align, CompositeImplicitAutograd, m) {
+  m.impl("rms_norm_perturbed", &perturbed_rms_norm);
+}
+
+const char* kPerturbed = "test/rms_norm_perturbed";
+
+void register_perturbed() {
+  if (kernmap::find_kernel(kPerturbed)) return;
+  kernmap::register_kernel(
+      kernmap::KernelDescriptor{.name = kPerturbed,
+                                .layer = "RMSNorm",
+                                .devices = {"cpu"},
+                                .dtypes = {"float32", "bfloat16"},
+                                .has_backward = true,
+                                .op = "kernmap_test_align::rms_norm_perturbed",
+                                .description = "RMSNorm x (1 + 1e-3): wrong on purpose"});
+}
+
+kernmap::train::AlignResult run_align(const std::string& preset) {
+  const auto factory = [preset] { return kernmap::make_preset(preset); };
+  const kernmap::train::Dataset data =
+      kernmap::train::synthetic_dataset(kernmap::preset_config(preset).vocab_size, 64, 64);
+  return kernmap::train::align(factory, data, {}, kernmap::train::parse_kernels("all"), 20, 1e-5);
+}
+
+class AlignEverywhere : public ::testing::TestWithParam<std::tuple<kernmap::cpu::Level, int>> {
+ protected:
+  void SetUp() override {
+    previous_level_ = kernmap::cpu::active_level();
+    previous_threads_ = at::get_num_threads();
+    kernmap::cpu::set_level(std::get<0>(GetParam()));
+    at::set_num_threads(std::get<1>(GetParam()));
+  }
+  void TearDown() override {
+    kernmap::cpu::set_level(previous_level_);
+    at::set_num_threads(previous_threads_);
+  }
+  kernmap::cpu::Level previous_level_{};
+  int previous_threads_ = 1;
+};
+
+TEST_P(AlignEverywhere, CorrectKernelsPassOnEveryPreset) {
+  for (const std::string& preset : kernmap::preset_names()) {
+    const kernmap::train::AlignResult res = run_align(preset);
+    EXPECT_TRUE(res.passed) << preset << ": loss " << res.max_loss_rel << " (step " << res.worst_loss_step
+                            << "), grad_norm " << res.max_grad_norm_rel << " (step "
+                            << res.worst_grad_norm_step << ")";
+    for (const kernmap::ReportEntry& e : res.report.entries)
+      EXPECT_FALSE(e.fallback) << preset << " " << e.path;
+  }
+}
+
+TEST_P(AlignEverywhere, AKernelWrongBy1e3InOneLayerFails) {
+  register_perturbed();
+  kernmap::ScopedMapping perturbed({{"RMSNorm", {{"cpu", {{kernmap::Mode::kFallback, kPerturbed}}}}}});
+  for (const std::string& preset : {std::string("qwen2-tiny"), std::string("qwen3-moe-tiny")}) {
+    const kernmap::train::AlignResult res = run_align(preset);
+    EXPECT_FALSE(res.passed) << preset;
+    EXPECT_EQ(res.verdict.grad_norm.worst_step, 1) << preset << ": the error shows from the first step";
+    bool bound = false;
+    for (const kernmap::ReportEntry& e : res.report.entries) bound = bound || e.kernel == kPerturbed;
+    EXPECT_TRUE(bound) << preset;
+    // The noise run is the float64 kernels', unaffected by the mapping: its floor stays at the rounding
+    // level.
+    EXPECT_LT(res.verdict.grad_norm.floor[0], 1e-6) << preset;
+  }
+}
+
+std::vector<std::tuple<kernmap::cpu::Level, int>> everywhere() {
+  std::vector<std::tuple<kernmap::cpu::Level, int>> out;
+  for (kernmap::cpu::Level level : kernmap::cpu::supported_levels())
+    for (int threads : {1, 2}) out.emplace_back(level, threads);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(LevelsAndThreads, AlignEverywhere, ::testing::ValuesIn(everywhere()),
+                         [](const auto& info) {
+                           return std::string(kernmap::cpu::level_name(std::get<0>(info.param))) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "threads";
+                         });
+
+}  // namespace
