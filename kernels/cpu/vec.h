@@ -368,6 +368,16 @@ inline VF madd(VF a, VF b, VF c) {
   return a * b + c;
 #endif
 }
+/// c - a * b, fused (one rounding) where the level has FMA.
+inline VF nmadd(VF a, VF b, VF c) {
+#if defined(__AVX512F__)
+  return _mm512_fnmadd_ps(a, b, c);
+#elif defined(__AVX2__)
+  return _mm256_fnmadd_ps(a, b, c);
+#else
+  return c - a * b;
+#endif
+}
 /// e^-x for a float block (sigmoid's only need; negating inside saves an instruction), overflowing to +inf
 /// where e^-x exceeds FLT_MAX (x below -88.72), as eager's exp does: SiLU's x / (1 + e^-x) then gives eager's
 /// -0 for huge negative x and NaN for -inf. -x = n ln2 + r with |r| <= ln2/2; e^r by a degree-5 minimax
