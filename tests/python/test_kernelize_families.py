@@ -83,3 +83,19 @@ def test_kernelize_trains_equal_and_reports_every_look_alike(model_type, class_n
         if g is not None:
             diff = (k_grads[name] - g).abs().max().item()
             assert diff <= FP32["rtol"] * largest + FP32["atol"] * 1e-3, f"{name}: |diff| {diff}, largest {largest}"
+
+
+def test_experts_without_the_gated_layout_fall_back_with_the_reason_whichever_way_kernmap_is_chosen():
+    """NemotronH's experts are up_proj and down_proj (no gate): transformers' experts module, not kernmap's layout.
+    kernelize reports them as fallbacks, and choosing the "kernmap" implementation directly runs transformers'
+    own loop for them (it read gate_up_proj and raised AttributeError)."""
+    model, kernelized, loss, grads = prepared("nemotron_h", "NemotronHForCausalLM")
+    report = kernmap.kernelize(kernelized, mode="training", device="cpu")
+    experts = report.by_layer()["Experts"]
+    assert experts and all(r.fallback and r.module == "NemotronHExperts" for r in experts), str(report)
+    assert {r.reason for r in experts} == {"experts without a gate projection are not supported"}
+
+    direct = copy.deepcopy(model)
+    direct.set_experts_implementation("kernmap")
+    k_loss, _ = loss_and_grads(direct)
+    torch.testing.assert_close(k_loss, loss, rtol=0, atol=0)
