@@ -2,8 +2,9 @@
 (tiny_families.py), each against its unkernelized copy: kernelize never raises, one forward/backward gives the same
 loss and the same gradients (relative to the largest gradient: some are exactly zero in exact arithmetic, so a
 relative figure per element would mean nothing there), and every module that looks like a kernmap layer has a
-row in the Report, bound or a fallback with its reason. One forward/backward per family keeps it to about a
-second each; a family that cannot be built or run as it stands is skipped with transformers' reason."""
+row in the Report, bound or a fallback with its reason. One forward/backward of a tiny model per family keeps the
+whole file to about 20 s; a family that cannot be built or run as it stands is skipped with transformers' reason
+(`pytest -rs` lists them)."""
 
 from __future__ import annotations
 
