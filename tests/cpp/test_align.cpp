@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "kernmap/ops.h"
 #include "kernmap/train.h"
 
@@ -51,19 +51,20 @@ kernmap::train::AlignResult run_align(const std::string& preset) {
   return kernmap::train::align(factory, data, {}, kernmap::train::parse_kernels("all"), 20, 1e-5);
 }
 
-class AlignEverywhere : public ::testing::TestWithParam<std::tuple<kernmap::cpu::Level, int>> {
+// The level is libkernmap's (kernmap/cpu.h): the models' ops run there.
+class AlignEverywhere : public ::testing::TestWithParam<std::tuple<std::string, int>> {
  protected:
   void SetUp() override {
-    previous_level_ = kernmap::cpu::active_level();
+    previous_level_ = kernmap::cpu_level();
     previous_threads_ = at::get_num_threads();
-    kernmap::cpu::set_level(std::get<0>(GetParam()));
+    kernmap::set_cpu_level(std::get<0>(GetParam()));
     at::set_num_threads(std::get<1>(GetParam()));
   }
   void TearDown() override {
-    kernmap::cpu::set_level(previous_level_);
+    kernmap::set_cpu_level(previous_level_);
     at::set_num_threads(previous_threads_);
   }
-  kernmap::cpu::Level previous_level_{};
+  std::string previous_level_;
   int previous_threads_ = 1;
 };
 
@@ -94,17 +95,17 @@ TEST_P(AlignEverywhere, AKernelWrongBy1e3InOneLayerFails) {
   }
 }
 
-std::vector<std::tuple<kernmap::cpu::Level, int>> everywhere() {
-  std::vector<std::tuple<kernmap::cpu::Level, int>> out;
-  for (kernmap::cpu::Level level : kernmap::cpu::supported_levels())
+std::vector<std::tuple<std::string, int>> everywhere() {
+  std::vector<std::tuple<std::string, int>> out;
+  for (const std::string& level : kernmap::supported_cpu_levels())
     for (int threads : {1, 2}) out.emplace_back(level, threads);
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(LevelsAndThreads, AlignEverywhere, ::testing::ValuesIn(everywhere()),
                          [](const auto& info) {
-                           return std::string(kernmap::cpu::level_name(std::get<0>(info.param))) + "_" +
-                                  std::to_string(std::get<1>(info.param)) + "threads";
+                           return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) +
+                                  "threads";
                          });
 
 }  // namespace
