@@ -69,8 +69,9 @@ def keep_freed_memory() -> None:
 
 
 def time_interleaved(impls: list[Impl], warmup: int, reps: int) -> list[Timing]:
-    """Medians after warm-up, the implementations' runs interleaved; the peak extra memory of every run (warm-up
-    runs included: torch.compile's first run is its largest) as `kernmap bench ops` counts it."""
+    """Medians after warm-up, the implementations' runs interleaved; the largest peak extra memory of the timed
+    runs, as `kernmap bench ops` counts it (after warm-up: torch.compile's first run holds its compiler's
+    tensors)."""
     kernmap.count_cpu_memory()
     ms: list[list[float]] = [[] for _ in impls]
     peak = [0.0] * len(impls)
@@ -81,8 +82,8 @@ def time_interleaved(impls: list[Impl], warmup: int, reps: int) -> list[Timing]:
             t0 = time.perf_counter()
             impl.run()
             t1 = time.perf_counter()
-            peak[i] = max(peak[i], kernmap.cpu_memory()["peak"] - before)
             if r >= warmup:
+                peak[i] = max(peak[i], kernmap.cpu_memory()["peak"] - before)
                 ms[i].append((t1 - t0) * 1e3)
     out = []
     for m, p in zip(ms, peak):
@@ -359,14 +360,19 @@ def experts_cases(dtype: torch.dtype, scale: float) -> list[Case]:
     ]
 
 
-def linear_cross_entropy_cases(dtype: torch.dtype, scale: float) -> list[Case]:
+LCE_SIZES = {"Qwen2-0.5B": (896, 151936), "Qwen2-7B": (3584, 152064)}  # hidden size, vocabulary
+
+
+def linear_cross_entropy_cases(dtype: torch.dtype, scale: float,
+                               sizes: tuple[str, ...] = tuple(LCE_SIZES)) -> list[Case]:
     """The LM head and the loss as transformers computes them in a causal LM's training step (``logits =
     lm_head(hidden)``, ``ForCausalLMLoss(logits, ...)``: [N, V] logits, their fp32 copy, log-softmax and their
     gradients), against kernmap's fused op (chunks of rows, no [N, V] tensor), labels already shifted."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     cases = []
-    for name, (H, V) in {"Qwen2-0.5B": (896, 151936), "Qwen2-7B": (3584, 152064)}.items():
+    for name in sizes:
+        H, V = LCE_SIZES[name]
         N = int(2048 * scale)
         hidden = torch.randn(N, H).to(dtype)  # a final norm's output
         weight = (torch.randn(V, H) * (2 / H**0.5)).to(dtype)  # a trained head's scale: logits of a few units
