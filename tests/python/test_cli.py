@@ -238,7 +238,7 @@ def test_command_line_mistakes_exit_2(run_cli, args, message):
      "--batch-size x --seq-len must be at most 16777216 tokens a step, got 65536 x 1024"),
     (["train", "--kernels", "RMSNorm,Rotary"],
      "--kernels: unknown layer 'Rotary' (expected all, none or a comma list of "
-     "Experts, GroupedMM, RMSNorm, SiLU, SiluAndMul)"),
+     "Experts, ForCausalLMLoss, FusedAddRMSNorm, GroupedMM, RMSNorm, SiLU, SiluAndMul, rotary_pos_emb)"),
     (["align", "--rtol", "-1"], "--rtol must be a finite number > 0, got '-1'"),
     (["align", "--rtol", "nan"], "--rtol must be a finite number > 0, got 'nan'"),
     (["ablate", "--warmup", "-1"], "--warmup must be an integer in [0, 1000000], got '-1'"),

@@ -86,6 +86,14 @@ struct Compared {
   /// Per compared result (the output, then the gradient of each floating input in order): how many terms it
   /// sums (the tolerance rule "sum"); missing entries are 1.
   std::vector<int64_t> terms = {};
+  /// For 16-bit dtypes: judge each result by its distance from the reference computed in float64 (on the
+  /// same, already rounded, inputs), which may be at most twice the 16-bit reference's own distance plus the
+  /// dtype's one-term atol and 4 ulps of the result's largest element. For ops whose reference rounds
+  /// intermediates to the 16-bit dtype (transformers' experts: the activations, each expert's output rows)
+  /// where the kernel rounds in other places: two correct roundings of a long chain differ by more than a
+  /// fixed tolerance of the result's size, but the kernel must not be further from the exact value than the
+  /// reference is.
+  bool low_precision_against_float64 = false;
 };
 /// Runs the kernel and the reference on the inputs, then both backward with one random output gradient, and
 /// checks the output and every input gradient with the tolerance of the case's dtype. Returns the kernel's

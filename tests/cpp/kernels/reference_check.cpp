@@ -55,7 +55,53 @@ at::Tensor laid_out(const std::string& layout, int64_t rows, int64_t n, at::Scal
   throw std::invalid_argument("unknown layout '" + layout + "'");
 }
 
+namespace {
+
+// max |got - exact| <= 2 max |reference - exact| + atol + 4 ulps of the result's largest element (exact in
+// float64): a rounding to the 16-bit dtype placed elsewhere in the chain moves a result by a few of its ulps.
+::testing::AssertionResult no_further_than_the_reference(const at::Tensor& got, const at::Tensor& reference,
+                                                         const at::Tensor& exact, double atol) {
+  const double mine = (got.to(at::kDouble) - exact).abs().max().item<double>();
+  const double theirs = (reference.to(at::kDouble) - exact).abs().max().item<double>();
+  const double ulp = got.scalar_type() == at::kBFloat16 ? 0x1p-7 : 0x1p-10;  // at 1.0
+  const double allowed = 2 * theirs + atol + 4 * ulp * exact.abs().max().item<double>();
+  if (mine <= allowed) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "the kernel is " << mine << " from the float64 result at most, the "
+                                       << "reference " << theirs << " (allowed: " << allowed << ")";
+}
+
+bool low_precision(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf;
+}
+
+}  // namespace
+
 std::vector<at::Tensor> expect_matches_reference(const Case& c, const Compared& op) {
+  if (op.low_precision_against_float64 && low_precision(c.dtype)) {
+    const auto leaves = [&](bool exact) {
+      std::vector<at::Tensor> out;
+      for (const at::Tensor& t : op.inputs)
+        out.push_back(t.is_floating_point() ? (exact ? t.to(at::kDouble) : t).detach().requires_grad_(true)
+                                            : t);
+      return out;
+    };
+    const std::vector<at::Tensor> mine = leaves(false), theirs = leaves(false), exact = leaves(true);
+    const at::Tensor y = op.kernel(mine), want = op.reference(theirs), truth = op.reference(exact);
+    const double atol = tolerance(c.dtype).atol;
+    EXPECT_TRUE(no_further_than_the_reference(y, want, truth, atol)) << "the output";
+    std::vector<at::Tensor> results = {y.detach()};
+    const at::Tensor dy = randn(y.sizes(), y.scalar_type());
+    torch::autograd::backward({y}, {dy});
+    torch::autograd::backward({want}, {dy});
+    torch::autograd::backward({truth}, {dy.to(at::kDouble)});
+    for (size_t i = 0; i < mine.size(); ++i) {
+      if (!mine[i].is_floating_point()) continue;
+      EXPECT_TRUE(no_further_than_the_reference(mine[i].grad(), theirs[i].grad(), exact[i].grad(), atol))
+          << "the gradient of input " << i;
+      results.push_back(mine[i].grad());
+    }
+    return results;
+  }
   const auto terms = [&](size_t i) { return i < op.terms.size() ? op.terms[i] : int64_t{1}; };
   // Leaves over the same memory as the inputs (detach keeps each layout's strides; a clone would not).
   const auto leaves = [&] {
