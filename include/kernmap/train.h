@@ -217,7 +217,7 @@ constexpr double kNoiseFactor = 10.0;
 /// diff = rel_diff(kernelized, original); noise = rel_diff(noise run, original), 0 when not finite;
 /// floor = the largest noise up to s; tolerance = max(rtol, noise_factor * floor). Passed when every diff is
 /// within its tolerance (a non-finite diff never is).
-KERNMAP_API struct MetricVerdict {
+struct KERNMAP_API MetricVerdict {
   std::vector<double> diff, noise, floor, tolerance;
   double max_diff = 0;        ///< the largest diff
   int64_t max_diff_step = 0;  ///< its step (the last of equals)
@@ -225,7 +225,7 @@ KERNMAP_API struct MetricVerdict {
   bool passed = true;
 };
 /// The verdict on loss and grad_norm: passed when both pass.
-KERNMAP_API struct Verdict {
+struct KERNMAP_API Verdict {
   MetricVerdict loss, grad_norm;
   double rtol = 0, noise_factor = kNoiseFactor;
   bool passed = false;
@@ -254,9 +254,10 @@ KERNMAP_API const KernelDescriptor* float64_kernel(const std::string& layer);
 /// differs from the reference's where the kernels' does, so it drifts from the original as correct arithmetic
 /// drifts on this machine and this model (docs/training.md, "The verdict"). The runs train one after another,
 /// so one model is held at a time.
-KERNMAP_API struct AlignResult {
+struct KERNMAP_API AlignResult {
   std::vector<StepLog> original, kernelized, noise;
-  Report report;  ///< the kernelized run's binding
+  Report report;        ///< the kernelized run's binding
+  Report noise_report;  ///< the noise run's binding: every selected layer on its float64 kernel
   Verdict verdict;
   double max_loss_rel = 0, max_grad_norm_rel = 0;  ///< verdict.loss.max_diff, verdict.grad_norm.max_diff
   int64_t worst_loss_step = 0, worst_grad_norm_step = 0;  ///< their steps

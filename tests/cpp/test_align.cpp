@@ -1,6 +1,6 @@
 // align's verdict where it must hold on every machine: the three presets' correct kernels PASS and a kernel
 // wrong by 1e-3 in one layer (RMSNorm's output times 1 + 1e-3) FAILs, at every CPU level this machine runs
-// and with 1 and 2 intra-op threads.
+// and with 1 and 2 intra-op threads; every layer has the float64 kernel the noise run binds.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/cpu/isa.h"
+#include "kernmap/cpu.h"
 #include "kernmap/ops.h"
 #include "kernmap/train.h"
 
@@ -51,19 +51,19 @@ kernmap::train::AlignResult run_align(const std::string& preset) {
   return kernmap::train::align(factory, data, {}, kernmap::train::parse_kernels("all"), 20, 1e-5);
 }
 
-class AlignEverywhere : public ::testing::TestWithParam<std::tuple<kernmap::cpu::Level, int>> {
+class AlignEverywhere : public ::testing::TestWithParam<std::tuple<std::string, int>> {
  protected:
   void SetUp() override {
-    previous_level_ = kernmap::cpu::active_level();
+    previous_level_ = kernmap::cpu_level();
     previous_threads_ = at::get_num_threads();
-    kernmap::cpu::set_level(std::get<0>(GetParam()));
+    kernmap::set_cpu_level(std::get<0>(GetParam()));
     at::set_num_threads(std::get<1>(GetParam()));
   }
   void TearDown() override {
-    kernmap::cpu::set_level(previous_level_);
+    kernmap::set_cpu_level(previous_level_);
     at::set_num_threads(previous_threads_);
   }
-  kernmap::cpu::Level previous_level_{};
+  std::string previous_level_;
   int previous_threads_ = 1;
 };
 
@@ -75,6 +75,9 @@ TEST_P(AlignEverywhere, CorrectKernelsPassOnEveryPreset) {
                             << res.worst_grad_norm_step << ")";
     for (const kernmap::ReportEntry& e : res.report.entries)
       EXPECT_FALSE(e.fallback) << preset << " " << e.path;
+    // The floor covers every layer: the noise run has each on its float64 kernel.
+    for (const kernmap::ReportEntry& e : res.noise_report.entries)
+      EXPECT_EQ(e.kernel.rfind("float64/", 0), 0u) << preset << " " << e.path << " runs " << e.kernel;
   }
 }
 
@@ -94,17 +97,30 @@ TEST_P(AlignEverywhere, AKernelWrongBy1e3InOneLayerFails) {
   }
 }
 
-std::vector<std::tuple<kernmap::cpu::Level, int>> everywhere() {
-  std::vector<std::tuple<kernmap::cpu::Level, int>> out;
-  for (kernmap::cpu::Level level : kernmap::cpu::supported_levels())
+TEST(Float64Kernels, EveryLayerHasOne) {
+  for (const std::string& layer : kernmap::registered_layers()) {
+    const kernmap::KernelDescriptor* k = kernmap::train::float64_kernel(layer);
+    ASSERT_NE(k, nullptr) << layer << " has no float64 kernel: align's noise floor would not cover it";
+    EXPECT_TRUE(k->has_backward) << k->name;
+    // It runs wherever the reference runs, on whatever the reference takes.
+    const kernmap::KernelDescriptor* ref = kernmap::reference_kernel(layer);
+    EXPECT_EQ(k->devices, ref->devices) << k->name;
+    EXPECT_EQ(k->dtypes, ref->dtypes) << k->name;
+    EXPECT_FALSE(static_cast<bool>(k->supports)) << k->name << " refuses inputs the reference takes";
+  }
+}
+
+std::vector<std::tuple<std::string, int>> everywhere() {
+  std::vector<std::tuple<std::string, int>> out;
+  for (const std::string& level : kernmap::supported_cpu_levels())
     for (int threads : {1, 2}) out.emplace_back(level, threads);
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(LevelsAndThreads, AlignEverywhere, ::testing::ValuesIn(everywhere()),
                          [](const auto& info) {
-                           return std::string(kernmap::cpu::level_name(std::get<0>(info.param))) + "_" +
-                                  std::to_string(std::get<1>(info.param)) + "threads";
+                           return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) +
+                                  "threads";
                          });
 
 }  // namespace
