@@ -44,11 +44,11 @@ void register_perturbed() {
                                 .description = "RMSNorm x (1 + 1e-3): wrong on purpose"});
 }
 
-kernmap::train::AlignResult run_align(const std::string& preset) {
+kernmap::train::AlignResult run_align(const std::string& preset, int64_t steps) {
   const auto factory = [preset] { return kernmap::make_preset(preset); };
   const kernmap::train::Dataset data =
       kernmap::train::synthetic_dataset(kernmap::preset_config(preset).vocab_size, 64, 64);
-  return kernmap::train::align(factory, data, {}, kernmap::train::parse_kernels("all"), 20, 1e-5);
+  return kernmap::train::align(factory, data, {}, kernmap::train::parse_kernels("all"), steps, 1e-5);
 }
 
 class AlignEverywhere : public ::testing::TestWithParam<std::tuple<std::string, int>> {
@@ -69,7 +69,7 @@ class AlignEverywhere : public ::testing::TestWithParam<std::tuple<std::string, 
 
 TEST_P(AlignEverywhere, CorrectKernelsPassOnEveryPreset) {
   for (const std::string& preset : kernmap::preset_names()) {
-    const kernmap::train::AlignResult res = run_align(preset);
+    const kernmap::train::AlignResult res = run_align(preset, 20);
     EXPECT_TRUE(res.passed) << preset << ": loss " << res.max_loss_rel << " (step " << res.worst_loss_step
                             << "), grad_norm " << res.max_grad_norm_rel << " (step "
                             << res.worst_grad_norm_step << ")";
@@ -85,9 +85,10 @@ TEST_P(AlignEverywhere, AKernelWrongBy1e3InOneLayerFails) {
   register_perturbed();
   kernmap::ScopedMapping perturbed({{"RMSNorm", {{"cpu", {{kernmap::Mode::kFallback, kPerturbed}}}}}});
   for (const std::string& preset : {std::string("qwen2-tiny"), std::string("qwen3-moe-tiny")}) {
-    const kernmap::train::AlignResult res = run_align(preset);
+    const kernmap::train::AlignResult res = run_align(preset, 3);  // it fails at step 1 already
     EXPECT_FALSE(res.passed) << preset;
-    EXPECT_EQ(res.verdict.grad_norm.worst_step, 1) << preset << ": the error shows from the first step";
+    EXPECT_GT(res.verdict.grad_norm.diff[0], res.verdict.grad_norm.tolerance[0])
+        << preset << ": the error shows from the first step";
     bool bound = false;
     for (const kernmap::ReportEntry& e : res.report.entries) bound = bound || e.kernel == kPerturbed;
     EXPECT_TRUE(bound) << preset;

@@ -4,6 +4,7 @@ distributed run (the verdict PASSes), both equal one process training on the who
 rtol 1e-5), and only rank 0 prints."""
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -36,7 +37,9 @@ def torchrun(*args, nproc=2, timeout=600):
                           timeout=timeout)
 
 
+@functools.cache
 def one_process(*args):
+    """`python -m kernmap align ARGS --json` in this process, alone (once per command line)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = align.main([str(a) for a in args] + ["--json"])
@@ -63,7 +66,7 @@ def test_two_processes_equal_the_unkernelized_run_and_one_process(parallel, fami
     assert not [r for r in doc["kernels"]["layers"] if r["fallback"]]
     # Kernelized and unkernelized distributed runs agree within rtol (not only within the noise floor).
     assert_same_steps(doc["kernelized"], doc["original"], "kernelized vs original, both distributed")
-    alone = one_process("--model", checkpoints / family, *ARGS)
+    alone = one_process("--model", str(checkpoints / family), *ARGS)
     assert_same_steps(doc["original"], alone["original"], "distributed vs one process, original")
     assert_same_steps(doc["kernelized"], alone["kernelized"], "distributed vs one process, kernelized")
 

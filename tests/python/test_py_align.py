@@ -78,8 +78,10 @@ def test_align_with_gradient_checkpointing_passes(checkpoints):
 
 
 def test_compile_adds_the_compiled_original_and_kernelized_runs(checkpoints):
+    # aot_eager: the fake-tensor trace and autograd graphs of torch.compile without inductor's code generation
+    # (minutes on 2 cores; test_kernelize_models.py runs inductor)
     doc = align_json("--model", checkpoints / "qwen2", "--steps", "2", "--seq-len", "16", "--batch-size", "2",
-                     "--compile")
+                     "--compile", "--compile-backend", "aot_eager")
     assert set(doc["compile"]) == {"original+compile", "kernelized+compile"}
     for name, run in doc["compile"].items():
         assert len(run["steps"]) == 2 and run["verdict"]["passed"], name
@@ -150,7 +152,8 @@ def test_a_kernel_wrong_by_1e3_fails_and_the_builtin_kernels_pass_everywhere(lev
     perturbed = doc["perturbed"]
     assert not perturbed["passed"] and perturbed["exit_code"] == 1
     assert any(r["kernel"] == "test/rms_norm_perturbed" for r in perturbed["kernels"]["layers"])
-    assert perturbed["verdict"]["grad_norm"]["worst_step"] == 1  # wrong from the first step
+    norm = perturbed["verdict"]["grad_norm"]
+    assert norm["diff"][0] > norm["tolerance"][0]  # wrong from the first step
 
 
 def test_the_cpp_presets_are_the_same_models(tmp_path):
