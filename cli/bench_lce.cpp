@@ -19,8 +19,15 @@ const LceShape kShapes[] = {
     {2048, 896, 151936, false}, {2048, 896, 151936, true}, {2048, 3584, 152064, false}};
 
 std::string describe(const LceShape& s) {
-  return "N" + std::to_string(s.N) + " H" + std::to_string(s.H) + " V" + std::to_string(s.V) +
-         (s.half_ignored ? " half ignored" : "");
+  // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on "literal" + std::to_string(...).
+  std::string out = "N";
+  out += std::to_string(s.N);
+  out += " H";
+  out += std::to_string(s.H);
+  out += " V";
+  out += std::to_string(s.V);
+  if (s.half_ignored) out += " half ignored";
+  return out;
 }
 
 // Labels of 4 sequences of N / 4 tokens; with half_ignored the first half of each (its prompt) is -100.

@@ -140,8 +140,10 @@ def kernelize(model: nn.Module, *, mode, device: str | torch.device | None = Non
     """Binds every layer-bearing module of `model` to the kernel the mapping resolves for (`device`, `mode`).
 
     Layers: modules marked by transformers with ``kernel_layer_name`` (``RMSNorm``, ``SiLU``), gated SiLU MLPs
-    (``down(silu_and_mul(gate(x), up(x)))``, layer ``SiluAndMul``), and MoE experts modules (layer ``Experts``,
-    through transformers' experts-implementation hook: the model's implementation becomes ``"kernmap"``).
+    (``down(silu_and_mul(gate(x), up(x)))``, layer ``SiluAndMul``), MoE experts modules (layer ``Experts``,
+    through transformers' experts-implementation hook: the model's implementation becomes ``"kernmap"``),
+    attentions' rotary embedding (``rotary_pos_emb``) and the causal-LM model's loss (``ForCausalLMLoss``: in
+    training with labels the loss is fused with lm_head and ``outputs.logits`` is None; docs/python.md).
 
     mode: ``"inference"`` or ``"training"``; ``compile=True`` (or a ``"+compile"`` mode) accepts only
     compile-safe kernels. device: a torch device type; by default the model's. With ``use_fallback=False`` any
@@ -158,8 +160,11 @@ def kernelize(model: nn.Module, *, mode, device: str | torch.device | None = Non
     for p in plans:
         fallback = p.decision.fallback or p.why_not is not None
         kernel = _registry._reference_name(p.binder.layer) if p.why_not else p.decision.kernel
-        rows.append(Row(p.path, type(p.module).__name__, p.binder.layer, kernel, fallback,
-                        p.why_not or p.decision.reason))
+        reason = p.why_not or p.decision.reason
+        if not fallback:
+            change, error = _guarded("describe", p.module, lambda: p.binder.change(p.module))
+            reason = "; ".join(filter(None, (reason, change, error)))
+        rows.append(Row(p.path, type(p.module).__name__, p.binder.layer, kernel, fallback, reason))
     report = Report(device, mode_text, rows)
     if not use_fallback and report.fallbacks:
         raise KernelizeError(report)

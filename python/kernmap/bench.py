@@ -4,10 +4,14 @@ transformers' own modules against ``torch.compile`` of the same modules and agai
 run: RMSNorm, the residual add + RMSNorm, the rotary embedding (28 query heads, 4 key/value heads, head_dim 128) and
 the SiLU-and-mul product at Qwen2-7B sizes (H 3584, I 18944), the whole gated MLP (Qwen2MLP), and
 the MoE experts layer at Qwen3-30B-A3B sizes (128 experts, top-8, H 2048, I 768) with transformers' ``eager``,
-``grouped_mm`` and ``batched_mm`` implementations and ``kernmap``. Forward, and forward+backward. Token counts are
-sized for a 2-core machine with a few GB of free memory (``batched_mm`` gathers one weight copy per token-expert
-pair). Repetitions of one case's implementations are interleaved; medians after warm-up. The JSON has the shape
-of ``kernmap bench ops --json``; ``speedup_vs_reference`` is against transformers' eager module.
+``grouped_mm`` and ``batched_mm`` implementations and ``kernmap``, and the LM head with transformers'
+``ForCausalLMLoss`` at Qwen2-0.5B (H 896, V 151936) and Qwen2-7B (H 3584, V 152064) sizes, N 2048 rows, against
+kernmap's fused linear cross-entropy. Forward, and forward+backward. Token counts are sized for a 2-core machine
+with a few GB of free memory (``batched_mm`` gathers one weight copy per token-expert pair). Repetitions of one
+case's implementations are interleaved; medians after warm-up. Each implementation's peak extra memory is
+measured: the most CPU memory in tensors one run holds above what was live before it (kernmap's count of c10's
+CPU allocator and its large-block cache; BLAS and oneDNN scratch are not counted). The JSON has the shape of
+``kernmap bench ops --json``; ``speedup_vs_reference`` is against transformers' eager module.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ class Case:
     shape: str
     bytes: float
     impls: list[Impl]
+    flops: float = 0.0  # the case's arithmetic, when it is a product (GFLOP/s is reported then)
+    max_reps: int | None = None  # cases of seconds a run cap --reps (and --warmup at 1)
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    peak_bytes: float  # the most CPU memory in tensors one run held above what was live before it
 
 
 def keep_freed_memory() -> None:
@@ -54,27 +68,35 @@ def keep_freed_memory() -> None:
         pass
 
 
-def time_interleaved(impls: list[Impl], warmup: int, reps: int) -> list[tuple[float, float, float]]:
+def time_interleaved(impls: list[Impl], warmup: int, reps: int) -> list[Timing]:
+    """Medians after warm-up, the implementations' runs interleaved; the largest peak extra memory of the timed
+    runs, as `kernmap bench ops` counts it (after warm-up: torch.compile's first run holds its compiler's
+    tensors)."""
+    kernmap.count_cpu_memory()
     ms: list[list[float]] = [[] for _ in impls]
+    peak = [0.0] * len(impls)
     for r in range(warmup + reps):
         for i, impl in enumerate(impls):
+            kernmap.reset_cpu_memory_peak()
+            before = kernmap.cpu_memory()["in_use"]
             t0 = time.perf_counter()
             impl.run()
             t1 = time.perf_counter()
             if r >= warmup:
+                peak[i] = max(peak[i], kernmap.cpu_memory()["peak"] - before)
                 ms[i].append((t1 - t0) * 1e3)
     out = []
-    for m in ms:
+    for m, p in zip(ms, peak):
         m.sort()
-        out.append((m[len(m) // 2], m[0], m[-1]))
+        out.append(Timing(m[len(m) // 2], m[0], m[-1], p))
     return out
 
 
 def copy_gbps(reps: int) -> float:
     n = 1 << 26
     src, dst = torch.rand(n), torch.empty(n)
-    (median, _, _), = time_interleaved([Impl("copy", lambda: dst.copy_(src))], 2, max(reps, 5))
-    return 2.0 * n * 4 / (median * 1e6)
+    (timing,) = time_interleaved([Impl("copy", lambda: dst.copy_(src))], 2, max(reps, 5))
+    return 2.0 * n * 4 / (timing.median_ms * 1e6)
 
 
 def forward(fn, *inputs) -> Callable[[], None]:
@@ -338,6 +360,44 @@ def experts_cases(dtype: torch.dtype, scale: float) -> list[Case]:
     ]
 
 
+LCE_SIZES = {"Qwen2-0.5B": (896, 151936), "Qwen2-7B": (3584, 152064)}  # hidden size, vocabulary
+
+
+def linear_cross_entropy_cases(dtype: torch.dtype, scale: float,
+                               sizes: tuple[str, ...] = tuple(LCE_SIZES)) -> list[Case]:
+    """The LM head and the loss as transformers computes them in a causal LM's training step (``logits =
+    lm_head(hidden)``, ``ForCausalLMLoss(logits, ...)``: [N, V] logits, their fp32 copy, log-softmax and their
+    gradients), against kernmap's fused op (chunks of rows, no [N, V] tensor), labels already shifted."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    cases = []
+    for name in sizes:
+        H, V = LCE_SIZES[name]
+        N = int(2048 * scale)
+        hidden = torch.randn(N, H).to(dtype)  # a final norm's output
+        weight = (torch.randn(V, H) * (2 / H**0.5)).to(dtype)  # a trained head's scale: logits of a few units
+        labels = torch.randint(V, (N,))
+
+        def eager(h, w, V=V, labels=labels):
+            return ForCausalLMLoss(torch.nn.functional.linear(h, w), None, V, shift_labels=labels)
+
+        def fused(h, w, labels=labels):
+            return torch.ops.kernmap.linear_cross_entropy(h, w, labels)
+
+        impls = (("transformers", eager), ("torch.compile", compiled(eager)), ("kernmap", fused))
+        e, product = hidden.element_size(), 2.0 * N * H * V
+        shape = f"{name} N {N}, H {H}, V {V}"
+        reps = 5 if H < 2048 else 3  # a run takes seconds (3 products of 0.5-2.2 TFLOP)
+        one = torch.ones(())
+        cases += [
+            Case("ForCausalLMLoss", "fwd", str(dtype)[6:], shape, e * (N * H + V * H),
+                 [Impl(k, forward(f, hidden, weight)) for k, f in impls], product, reps),
+            Case("ForCausalLMLoss", "fwd+bwd", str(dtype)[6:], shape, e * (2 * N * H + 3 * V * H),
+                 [Impl(k, forward_backward(f, [hidden, weight], one)) for k, f in impls], 3 * product, reps),
+        ]
+    return cases
+
+
 FAMILIES = {
     "RMSNorm": (rms_norm_cases, (torch.float32, torch.bfloat16)),
     "FusedAddRMSNorm": (add_rms_norm_cases, (torch.float32, torch.bfloat16)),
@@ -346,6 +406,7 @@ FAMILIES = {
     "GatedMLP": (gated_mlp_cases, (torch.bfloat16,)),
     "Experts": (experts_cases, (torch.bfloat16,)),
     "DecoderLayer": (decoder_layer_cases, (torch.float32, torch.bfloat16)),
+    "ForCausalLMLoss": (linear_cross_entropy_cases, (torch.float32, torch.bfloat16)),
 }
 
 
@@ -375,15 +436,21 @@ def main(argv: list[str] | None = None) -> int:
         if progress:
             print(f"\r[{i + 1}/{len(planned)}] {name} {str(dtype)[6:]}...        ", end="", file=sys.stderr, flush=True)
         for case in FAMILIES[name][0](dtype, args.tokens_scale):
-            timings = time_interleaved(case.impls, args.warmup, args.reps)
-            reference = timings[0][0]
-            for impl, (median, lo, hi) in zip(case.impls, timings):
-                gbps = case.bytes / (median * 1e6)
-                rows.append({"op": case.op, "pass": case.pass_, "dtype": case.dtype, "shape": case.shape,
-                             "impl": impl.name, "median_ms": round(median, 4), "min_ms": round(lo, 4),
-                             "max_ms": round(hi, 4), "gbps": round(gbps, 2),
-                             "pct_of_copy": round(100 * gbps / copy_bw, 1),
-                             "speedup_vs_reference": round(reference / median, 3)})
+            warmup, reps = args.warmup, args.reps
+            if case.max_reps is not None:
+                warmup, reps = min(warmup, 1), min(reps, case.max_reps)
+            timings = time_interleaved(case.impls, warmup, reps)
+            reference = timings[0].median_ms
+            for impl, t in zip(case.impls, timings):
+                gbps = case.bytes / (t.median_ms * 1e6)
+                row = {"op": case.op, "pass": case.pass_, "dtype": case.dtype, "shape": case.shape,
+                       "impl": impl.name, "median_ms": round(t.median_ms, 4), "min_ms": round(t.min_ms, 4),
+                       "max_ms": round(t.max_ms, 4), "gbps": round(gbps, 2),
+                       "pct_of_copy": round(100 * gbps / copy_bw, 1),
+                       "speedup_vs_reference": round(reference / t.median_ms, 3), "peak_bytes": t.peak_bytes}
+                if case.flops:  # as `kernmap bench ops`: only for products
+                    row["gflops"] = round(case.flops / (t.median_ms * 1e6), 1)
+                rows.append(row)
     if progress:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     machine = {"copy_gbps": round(copy_bw, 2), "threads": torch.get_num_threads(),
@@ -393,9 +460,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"machine: copy bandwidth {copy_bw:.1f} GB/s (read + write), {machine['threads']} threads, ATen CPU level "
           f"{machine['cpu_level']}; {args.warmup} warm-up + {args.reps} timed reps, interleaved, medians\n")
-    header = ["layer", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "vs eager"]
+    header = ["layer", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s",
+              "peak MB", "vs eager"]
     table = [[r["op"], r["pass"], r["dtype"], r["shape"], r["impl"], f"{r['median_ms']:.3f}",
               f"{r['min_ms']:.2f}..{r['max_ms']:.2f}", f"{r['gbps']:.1f}", f"{r['pct_of_copy']:.1f}%",
+              f"{r['gflops']:.1f}" if "gflops" in r else "", f"{r['peak_bytes'] / 1e6:.1f}",
               f"{r['speedup_vs_reference']:.2f}x"] for r in rows]
     widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(header)]
     for line in [header, ["-" * w for w in widths], *table]:

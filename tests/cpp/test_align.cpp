@@ -1,6 +1,7 @@
-// align's verdict where it must hold on every machine: the three presets' correct kernels PASS and a kernel
-// wrong by 1e-3 in one layer (RMSNorm's output times 1 + 1e-3) FAILs, at every CPU level this machine runs
-// and with 1 and 2 intra-op threads; every layer has the float64 kernel the noise run binds.
+// align's verdict where it must hold on every machine: the three presets' correct kernels PASS at every CPU
+// level this machine runs with one intra-op thread and at the best level with two; a kernel wrong by 1e-3 in
+// one layer (RMSNorm's output times 1 + 1e-3) FAILs (the noise run does not depend on the level: once is
+// enough); every layer has the float64 kernel the noise run binds.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -81,7 +82,7 @@ TEST_P(AlignEverywhere, CorrectKernelsPassOnEveryPreset) {
   }
 }
 
-TEST_P(AlignEverywhere, AKernelWrongBy1e3InOneLayerFails) {
+TEST(Align, AKernelWrongBy1e3InOneLayerFails) {
   register_perturbed();
   kernmap::ScopedMapping perturbed({{"RMSNorm", {{"cpu", {{kernmap::Mode::kFallback, kPerturbed}}}}}});
   for (const std::string& preset : {std::string("qwen2-tiny"), std::string("qwen3-moe-tiny")}) {
@@ -113,8 +114,9 @@ TEST(Float64Kernels, EveryLayerHasOne) {
 
 std::vector<std::tuple<std::string, int>> everywhere() {
   std::vector<std::tuple<std::string, int>> out;
-  for (const std::string& level : kernmap::supported_cpu_levels())
-    for (int threads : {1, 2}) out.emplace_back(level, threads);
+  const std::vector<std::string> levels = kernmap::supported_cpu_levels();
+  for (const std::string& level : levels) out.emplace_back(level, 1);
+  out.emplace_back(levels.back(), 2);
   return out;
 }
 

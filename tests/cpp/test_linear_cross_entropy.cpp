@@ -88,7 +88,9 @@ TEST_P(LinearCrossEntropy, MatchesReferenceForwardAndBackward) {
           << loss[0].item<double>() << " vs " << loss[1].item<double>();
       EXPECT_LE(rel_err(gh[0], gh[1]), t.grad);
       EXPECT_LE(rel_err(gw[0], gw[1]), t.weight_grad);
-      if (with_bias) EXPECT_LE(rel_err(gb[0], gb[1]), t.grad);
+      if (with_bias) {
+        EXPECT_LE(rel_err(gb[0], gb[1]), t.grad);
+      }
     }
   }
 }
@@ -127,7 +129,9 @@ TEST_P(LinearCrossEntropy, RowKernelMatchesFloat64Math) {
     at::Tensor want_g = p[r] * scale;
     want_g[target[r]] -= scale;
     EXPECT_LE(rel_err(g[r], want_g), gt);
-    if (r == 1) EXPECT_EQ(g[r][7].item<double>(), 0.0);  // e^-inf
+    if (r == 1) {
+      EXPECT_EQ(g[r][7].item<double>(), 0.0);  // e^-inf
+    }
   }
   // Without grad the logits stay as they were and the losses are the same.
   at::Tensor z2 = z.clone();

@@ -39,7 +39,8 @@ def batch(seed: int = 1, shape=(2, 9)):
 
 def expected_layers(family: str) -> dict[str, int]:
     """How many modules of each layer the tiny model has (2 decoder layers)."""
-    layers = {"RMSNorm": 2 * 2 + 1, "rotary_pos_emb": 2}  # rotary_pos_emb: one per attention
+    # rotary_pos_emb: one per attention; ForCausalLMLoss: the *ForCausalLM model itself
+    layers = {"RMSNorm": 2 * 2 + 1, "rotary_pos_emb": 2, "ForCausalLMLoss": 1}
     if family in ("qwen3", "qwen3_moe"):
         layers["RMSNorm"] += 2 * 2  # q_norm and k_norm per attention
     if family in MOE_FAMILIES:

@@ -31,11 +31,15 @@ def assert_every_layer_replaced(report, family):
 
 
 def loss_and_grads(model, ids, run=None):
-    """Forward (through `run`, e.g. a compiled wrapper, when given) and backward; the gradients of `model`."""
+    """Forward (through `run`, e.g. a compiled wrapper, when given) and backward; the gradients of `model`. The
+    logits come from a call without labels: with labels a kernelized model's training forward fuses the loss
+    and returns no logits (ForCausalLMLoss)."""
     model.zero_grad(set_to_none=True)
-    out = (model if run is None else run)(ids, labels=ids)
+    call = model if run is None else run
+    logits = call(ids).logits.detach()
+    out = call(ids, labels=ids)
     out.loss.backward()
-    return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return logits, out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

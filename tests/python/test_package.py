@@ -37,9 +37,13 @@ def test_bench_json_has_the_shape_of_kernmap_bench_ops():
     assert [(x["pass"], x["impl"]) for x in rows] == [
         (p, i) for p in ("fwd", "fwd+bwd") for i in ("transformers", "torch.compile", "kernmap")]
     assert rows[0].keys() == {"op", "pass", "dtype", "shape", "impl", "median_ms", "min_ms", "max_ms", "gbps",
-                              "pct_of_copy", "speedup_vs_reference"}
+                              "pct_of_copy", "speedup_vs_reference", "peak_bytes"}
     assert all(x["op"] == "SiluAndMul" and x["dtype"] == "float32" and x["median_ms"] > 0 for x in rows)
     assert rows[0]["speedup_vs_reference"] == 1.0
+    # Peak extra memory of a run: the forward holds at least its output (T x I fp32), the backward two gradients.
+    T, I = int(2048 * 0.01), 18944
+    assert all(x["peak_bytes"] >= 4 * T * I for x in rows)
+    assert all(x["peak_bytes"] >= 2 * 4 * T * I for x in rows if x["pass"] == "fwd+bwd")
 
 
 def test_bench_rejects_a_bad_filter():

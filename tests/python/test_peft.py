@@ -24,7 +24,7 @@ def lora(model):
 def rows(report):
     """(path, layer, kernel, fallback) with peft's wrappers taken out of the path."""
     def path(p):
-        return re.sub(r"\.base_layer\b", "", p.removeprefix("base_model.model."))
+        return re.sub(r"\.base_layer\b", "", re.sub(r"^base_model\.model\.?", "", p))
     return sorted((path(r.path), r.layer, r.kernel, r.fallback) for r in report.rows)
 
 

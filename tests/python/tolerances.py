@@ -23,7 +23,7 @@ def loss_tol(dtype: torch.dtype) -> dict:
 
 
 def model_gradient_bound(dtype: torch.dtype, largest: float) -> float:
-    """The largest |difference| allowed in a bf16 model gradient tensor whose largest magnitude is `largest`."""
+    """The largest |difference| allowed in a bf16 or fp16 model gradient tensor whose largest magnitude is `largest`."""
     return TABLE["gradients_of_a_model"][_NAMES[dtype]]["max_fraction"] * largest
 
 

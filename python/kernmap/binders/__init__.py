@@ -10,13 +10,15 @@ a test checks that every registered layer is in exactly one of the two."""
 from __future__ import annotations
 
 from .base import Binder
+from .causal_lm_loss import CausalLMLossBinder
 from .experts import ExpertsBinder
 from .gated_mlp import GatedMLPBinder
 from .rms_norm import RMSNormBinder
 from .rotary import RotaryBinder
 from .silu import SiLUBinder
 
-BINDERS: tuple[Binder, ...] = (RMSNormBinder(), SiLUBinder(), GatedMLPBinder(), ExpertsBinder(), RotaryBinder())
+BINDERS: tuple[Binder, ...] = (RMSNormBinder(), SiLUBinder(), GatedMLPBinder(), ExpertsBinder(), RotaryBinder(),
+                               CausalLMLossBinder())
 
 # Registered layers without a module of their own, and why.
 OP_ONLY_LAYERS = {

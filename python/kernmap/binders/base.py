@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import types
 from collections.abc import Callable
 
@@ -9,7 +10,14 @@ import torch
 from torch import nn
 
 _ORIGINAL = "_kernmap_original_forward"
-_NO_INSTANCE_FORWARD = object()
+
+
+class _Forward(enum.Enum):
+    # An enum member, so that deep copies (and pickles) of a bound module still compare identical to it.
+    NOT_ON_INSTANCE = "the module's forward was its class's"
+
+
+_NO_INSTANCE_FORWARD = _Forward.NOT_ON_INSTANCE
 
 
 class Binder:
@@ -42,12 +50,26 @@ class Binder:
     def finish(self, model: nn.Module, bound: list[nn.Module]) -> None:
         """A model-level step after every module of this layer was bound or restored (default: none)."""
 
+    def change(self, module: nn.Module) -> str | None:
+        """What a bound module does differently from its own forward, beyond computing the same values (the
+        report's reason says it), or None."""
+        return None
+
 
 def bind_forward(module: nn.Module, forward: Callable) -> None:
     """Makes `forward` (a function of (self, *args)) the module's forward, remembering the original once."""
     if _ORIGINAL not in module.__dict__:
         module.__dict__[_ORIGINAL] = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
     module.forward = types.MethodType(forward, module)
+
+
+def original_forward(module: nn.Module) -> Callable:
+    """The forward kernmap's binding replaced, bound to `module` (looked up on the module itself, so that a
+    deep copy of a bound module calls its own)."""
+    original = module.__dict__.get(_ORIGINAL, _NO_INSTANCE_FORWARD)
+    if original is _NO_INSTANCE_FORWARD:
+        return types.MethodType(type(module).forward, module)
+    return original
 
 
 def foreign_forward(module: nn.Module) -> bool:
