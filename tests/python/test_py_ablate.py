@@ -31,7 +31,7 @@ def test_moe_rows_json_and_numbers():
     assert doc["experts_implementation"] == "grouped_mm"
     names = [r["name"] for r in doc["rows"]]
     assert names[:3] == ["original", "original (experts eager)", "original (experts batched_mm)"]
-    assert set(names[3:-1]) == {"+RMSNorm", "+rotary_pos_emb", "+Experts", "+SiLU"} and names[-1] == "all"
+    assert set(names[3:-1]) == {"+RMSNorm", "+rotary_pos_emb", "+Experts", "+SiLU", "+ForCausalLMLoss"} and names[-1] == "all"
     experts = {r["name"]: r["experts"] for r in doc["rows"]}
     assert experts["original"] == experts["+RMSNorm"] == "grouped_mm"
     assert experts["original (experts eager)"] == "eager" and experts["+Experts"] == experts["all"] == "kernmap"
