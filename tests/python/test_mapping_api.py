@@ -2,6 +2,7 @@
 kernels with descriptors, the Report and its fallback reasons, and transformers' experts-implementation hook."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -143,8 +144,12 @@ def test_training_with_a_kernel_without_backward_falls_back_and_still_trains():
 # ---- transformers' experts-implementation hook ------------------------------------------------------------------
 
 
+_recording_serial = itertools.count()
+
+
 def recording_experts():
-    return python_kernel(f"test/experts_recording_{id(object())}", "Experts", torch.ops.kernmap.experts,
+    # a fresh name per call: kernels stay registered for the process, and id() of a freed object repeats
+    return python_kernel(f"test/experts_recording_{next(_recording_serial)}", "Experts", torch.ops.kernmap.experts,
                          has_backward=True)
 
 
