@@ -2,15 +2,15 @@
 
 1. A Qwen2-0.5B-shaped training step (hidden 896, intermediate 4864, 2 decoder layers, vocabulary 151,936, tied
    embeddings, batch 2 x 512 tokens, SGD step): transformers as shipped against `kernmap.kernelize(model,
-   mode="training")`, fp32 and bf16. Each of the two runs in a worker process of its own, so that a step's peak
-   resident memory is that run's alone (the kernel's high-water mark, VmHWM, reset through /proc/self/clear_refs
-   before each step); the workers take turns, one step each, the order alternating, so that the machine's drift
-   hits both alike. Per step: loss, seconds, peak RSS. Medians after warm-up.
+   mode="training")` (and, with --compiled, transformers under `torch.compile`), fp32 and bf16. Each run is a
+   worker process of its own, so that a step's peak resident memory is that run's alone (the kernel's high-water
+   mark, VmHWM, reset through /proc/self/clear_refs before each step); the workers take turns, one step each, the
+   order alternating, so that the machine's drift hits all alike. Per step: loss, seconds, peak RSS. Medians after warm-up.
 2. The op's forward+backward at H 896, V 151936, N 2048 against transformers' lm_head + ForCausalLMLoss and
    torch.compile of it: `python -m kernmap.bench`'s case (interleaved repetitions, medians, each
    implementation's peak extra memory in tensors), fp32 and bf16.
 
-    source scripts/env.sh && python scripts/causal_lm_loss_figures.py [--steps 20] [--warmup 3] [--json FILE]
+    source scripts/env.sh && python scripts/causal_lm_loss_figures.py [--steps 20] [--warmup 3] [--compiled] [--no-op] [--json FILE]
 
 A benchmark, not a test: on a shared machine the figures are noisy, and only ratios measured side by side mean
 anything."""
@@ -54,13 +54,14 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def worker(conn, dtype_name: str, kernelized: bool) -> None:
+def worker(conn, dtype_name: str, run: str) -> None:
     """One run's model; answers each step number with (loss, seconds, peak RSS bytes)."""
     import kernmap
 
     model = qwen2_half_b_two_layers().to(DTYPES[dtype_name])
-    report = kernmap.kernelize(model, mode="training") if kernelized else None
+    report = kernmap.kernelize(model, mode="training") if run == "kernelized" else None
     model.train()
+    forward = torch.compile(model) if run == "compiled" else model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     conn.send(None if report is None else [(r.path, r.layer, r.kernel, r.fallback) for r in report.rows])
     while (step := conn.recv()) is not None:
@@ -68,19 +69,19 @@ def worker(conn, dtype_name: str, kernelized: bool) -> None:
         peak_rss_reset()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = forward(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         seconds = time.perf_counter() - start
         conn.send((loss.item(), seconds, peak_rss_bytes()))
 
 
-def training_steps(dtype_name: str, steps: int, warmup: int) -> dict:
+def training_steps(dtype_name: str, steps: int, warmup: int, compiled: bool) -> dict:
     ctx = multiprocessing.get_context("spawn")
     runs = {}
-    for name, kernelized in (("transformers", False), ("kernelized", True)):
+    for name in ("transformers", "kernelized") + (("compiled",) if compiled else ()):
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=worker, args=(child, dtype_name, kernelized))
+        process = ctx.Process(target=worker, args=(child, dtype_name, name))
         process.start()
         runs[name] = (parent, process)
     report = {name: conn.recv() for name, (conn, _) in runs.items()}["kernelized"]
@@ -106,6 +107,10 @@ def training_steps(dtype_name: str, steps: int, warmup: int) -> dict:
     out["speedup"] = base["median_s"] / kern["median_s"]
     out["peak_rss_ratio"] = kern["max_peak_rss"] / base["max_peak_rss"]
     out["max_loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(base["losses"], kern["losses"]))
+    if compiled:
+        comp = out["compiled"]
+        out["speedup_vs_compiled"] = comp["median_s"] / kern["median_s"]
+        out["peak_rss_ratio_vs_compiled"] = kern["max_peak_rss"] / comp["max_peak_rss"]
     return out
 
 
@@ -145,6 +150,13 @@ def print_step(r: dict) -> None:
           f"{kern['max_peak_rss'] / 1e6:.0f} MB -> {r['peak_rss_ratio']:.3f}x (target <= 0.5x)")
     print(f"losses: largest relative difference over {r['steps']} steps {r['max_loss_rel_diff']:.2e}"
           + (" (fp32 target rtol 1e-5)" if r["dtype"] == "float32" else ""))
+    if "compiled" in r:
+        comp = r["compiled"]
+        print("transformers under torch.compile, per step (s, RSS MB): " + ", ".join(
+            f"{s:.2f} {m / 1e6:.0f}" for s, m in zip(comp["seconds"], comp["peak_rss"])))
+        print(f"median step: torch.compile {comp['median_s']:.3f} s, kernelized {kern['median_s']:.3f} s -> "
+              f"{r['speedup_vs_compiled']:.3f}x; peak RSS torch.compile {comp['max_peak_rss'] / 1e6:.0f} MB, "
+              f"kernelized {r['peak_rss_ratio_vs_compiled']:.3f}x of it")
 
 
 def print_op(r: dict) -> None:
@@ -165,8 +177,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="training steps left out of the medians")
     parser.add_argument("--op-reps", type=int, default=5)
+    parser.add_argument("--no-op", action="store_true", help="the training steps only")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--json", help="also write every figure to this file")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also run transformers under torch.compile (a third worker; its first steps compile)")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     if args.steps <= args.warmup or args.warmup < 0 or args.op_reps < 1 or not set(dtypes) <= set(DTYPES):
@@ -175,9 +190,9 @@ def main() -> int:
           f"{torch.backends.cpu.get_cpu_capability()}; a shared machine: figures are noisy, ratios side by side")
     results = {"steps": [], "op": []}
     for dtype in dtypes:
-        results["steps"].append(training_steps(dtype, args.steps, args.warmup))
+        results["steps"].append(training_steps(dtype, args.steps, args.warmup, args.compiled))
         print_step(results["steps"][-1])
-    for dtype in dtypes:
+    for dtype in [] if args.no_op else dtypes:
         results["op"].append(op_case(dtype, 1, args.op_reps))
         print_op(results["op"][-1])
     if args.json:
