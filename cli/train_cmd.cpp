@@ -286,6 +286,8 @@ int align_command(const RunArgs& r) {
                                               r.json ? train::Progress{} : progress_bar("align"));
   const train::Verdict& v = res.verdict;
   if (r.json) {
+    Json noise_kernels = Json::object();  // layer -> the kernel the noise run bound (its float64 kernel)
+    for (const ReportEntry& e : res.noise_report.entries) noise_kernels[e.layer] = e.kernel;
     print_json({{"model", r.model_name()},
                 {"passed", res.passed},
                 {"rtol", res.rtol},
@@ -293,6 +295,7 @@ int align_command(const RunArgs& r) {
                 {"max_loss_rel", res.max_loss_rel},
                 {"max_grad_norm_rel", res.max_grad_norm_rel},
                 {"kernels", Json::parse(res.report.json())},
+                {"noise_kernels", noise_kernels},
                 {"verdict",
                  {{"passed", v.passed},
                   {"rtol", v.rtol},

@@ -137,6 +137,13 @@ Location location_of(std::string_view text, std::size_t offset) {
 }  // namespace
 
 std::unique_ptr<Node> parse_json(std::string_view text, const std::string& name) {
+  // nlohmann takes a NUL byte for the end of its input, so "{...}\0anything" would parse as "{...}". JSON
+  // text holds no raw NUL (in a string it is spelled \u0000), so one anywhere is refused before parsing.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    const Location at = location_of(text, nul);
+    throw Error(name + ":" + std::to_string(at.line) + ":" + std::to_string(at.column) +
+                ": a NUL byte (offset " + std::to_string(nul) + "; JSON text cannot hold one)");
+  }
   JsonBuilder builder(name);
   const bool ok = nlohmann::json::sax_parse(text.begin(), text.end(), &builder);
   if (ok) return std::move(builder.root);

@@ -12,12 +12,14 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernmap/models.h"
 #include "kernmap/safetensors.h"
 #include "models/json_document.h"
 #include "models/safetensors_format.h"
+#include "repository/atomic_file.h"
 
 namespace kernmap {
 namespace {
@@ -135,6 +137,14 @@ std::string read_text(const std::string& path) {
   return text.str();
 }
 
+void write_text(const std::string& path, std::string_view text) {
+  try {
+    repository::write_file_atomically(path, text);
+  } catch (const repository::WriteError& e) {
+    throw CheckpointError(e.what());
+  }
+}
+
 // The shard of each tensor from model.safetensors.index.json. Shard names come from the file: only plain file
 // names in the checkpoint folder are accepted.
 std::map<std::string, std::string> read_index(const std::string& path) {
@@ -236,14 +246,17 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   } catch (const st::FormatError& e) {
     throw CheckpointError(path + ": " + e.what());
   }
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw CheckpointError(path + ": cannot open for writing");
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  for (const auto& [name, t] : tensors) {
-    const Tensor data = t.detach().to(at::kCPU).contiguous();
-    out.write(static_cast<const char*>(data.const_data_ptr()), static_cast<std::streamsize>(data.nbytes()));
+  try {
+    repository::AtomicFile out(path);
+    out.write(header);
+    for (const auto& [name, t] : tensors) {
+      const Tensor data = t.detach().to(at::kCPU).contiguous();
+      out.write(data.const_data_ptr(), data.nbytes());
+    }
+    out.commit();
+  } catch (const repository::WriteError& e) {
+    throw CheckpointError(e.what());
   }
-  if (!out.flush()) throw CheckpointError(path + ": write failed");
 }
 
 void CausalLM::load_weights(const std::string& dir) {
@@ -351,11 +364,7 @@ void CausalLM::save_pretrained(const std::string& dir, uint64_t max_shard_bytes)
                    : t == at::kDouble ? "float64"
                                       : "float32";
   }
-  {
-    std::ofstream out(dir + "/config.json", std::ios::trunc);
-    out << config.to_json();
-    if (!out.flush()) throw CheckpointError(dir + "/config.json: write failed");
-  }
+  write_text(dir + "/config.json", config.to_json());
 
   // Shards as transformers cuts them: a new shard when the next tensor would exceed the limit.
   std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
@@ -384,9 +393,7 @@ void CausalLM::save_pretrained(const std::string& dir, uint64_t max_shard_bytes)
     for (const auto& p : shards[i]) weight_map[p.first] = name;
   }
   const nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  std::ofstream out(dir + "/" + kIndexFile, std::ios::trunc);
-  out << index.dump(2) << "\n";
-  if (!out.flush()) throw CheckpointError(dir + "/" + kIndexFile + ": write failed");
+  write_text(dir + "/" + kIndexFile, index.dump(2) + "\n");
 }
 
 }  // namespace kernmap

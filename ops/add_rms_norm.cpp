@@ -147,10 +147,25 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 }  // namespace kernmap::reference
 
+namespace kernmap::float64 {
+
+// The reference's math from float64, rounded where it rounds (the sum to x's dtype, then RMSNorm's
+// roundings): align's noise run binds it (docs/training.md, "The verdict").
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  ops::check_same_shape("float64_add_rms_norm", "x", x, "residual", residual);
+  const at::Tensor sum = (residual.to(at::kDouble) + x.to(at::kDouble))
+                             .to(at::promote_types(residual.scalar_type(), x.scalar_type()));
+  return {rms_norm(sum, weight, eps), sum};
+}
+
+}  // namespace kernmap::float64
+
 namespace kernmap::ops {
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_add_rms_norm", &kernmap::reference::add_rms_norm);
+  m.impl("float64_add_rms_norm", &kernmap::float64::add_rms_norm);
 }
 
 // The layer record (DESIGN §2).
@@ -171,7 +186,16 @@ const LayerRegistrar kFusedAddRMSNormLayer(
                        .op = "kernmap::add_rms_norm",
                        .description = "residual add fused with RMSNorm, one pass forward and one backward",
                        .supports = needs_rank_at_least_1},
-      /*default_on=*/{"cpu"}}});
+      /*default_on=*/{"cpu"}},
+     {KernelDescriptor{.name = "float64/add_rms_norm",
+                       .devices = {"*"},
+                       .dtypes = floating_dtypes(),
+                       .has_backward = true,
+                       .compile_safe = true,
+                       .op = "kernmap::float64_add_rms_norm",
+                       .description = "the reference's math from float64, rounded where it rounds (align's "
+                                      "noise run)"},
+      /*default_on=*/{}}});
 
 }  // namespace kernmap::ops
 

@@ -1,5 +1,11 @@
-// The GroupedMM layer: kernmap::grouped_mm (checks, the CPU implementation over (group x tile) tasks on the
-// intra-op pool, Meta shapes, autograd), its reference kernel, and the layer record.
+// The GroupedMM layer: kernmap::grouped_mm and its backward (checks, CPU, Meta shapes, autograd), the grouped
+// products they share with the experts op (ops/grouped_mm.h), the reference and float64 kernels, and the
+// layer record. The CPU products run as (group x tile) tasks on the intra-op pool, each task writing only its
+// own outputs, so results do not depend on the thread count. The kernel follows b's layout and the group's
+// size: b in nn.Linear layout (K-contiguous) goes to gemm_nt for groups under kBlasRows rows, to BLAS from
+// there; b with N-contiguous rows (the backward's grad @ W) and the weight gradients go to the outer-product
+// kernel gemm_bcast (bf16 groups of kBf16BlasRows rows or more: BLAS); other layouts, and float64, are BLAS
+// products per tile.
 #include "ops/grouped_mm.h"
 
 #include <ATen/ATen.h>

@@ -92,12 +92,21 @@ TORCH_LIBRARY(kernmap, m) {
   // The float64 kernels: each reference's math from float64, rounded where the reference rounds (align's
   // noise run, docs/training.md).
   m.def("float64_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "float64_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor normed, Tensor "
+      "sum)");
+  m.def(
+      "float64_apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> (Tensor "
+      "q_embed, Tensor k_embed)");
   m.def("float64_silu(Tensor x) -> Tensor");
   m.def("float64_silu_and_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("float64_grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
   m.def(
       "float64_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor "
       "down_proj) -> Tensor");
+  m.def(
+      "float64_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, Tensor? bias=None, int "
+      "ignore_index=-100, Tensor? num_items_in_batch=None) -> Tensor");
   // transformers' experts implementations (ops/experts_transformers.cpp): the baselines of `kernmap ablate`.
   m.def(
       "transformers_experts_grouped_mm(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor "

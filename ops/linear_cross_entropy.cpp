@@ -305,10 +305,36 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
 
 }  // namespace kernmap::reference
 
+namespace kernmap::float64 {
+
+// The reference's math from float64, rounded where it rounds (the logits to the input dtype, the loss to its
+// dtype) and nowhere else: align's noise run binds it (docs/training.md, "The verdict"). It holds the [N, V]
+// logits in float64, as a run judged for correctness can afford.
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                                const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                                const std::optional<at::Tensor>& num_items_in_batch) {
+  ops::check_linear_cross_entropy("float64_linear_cross_entropy", hidden, weight, labels, bias,
+                                  num_items_in_batch);
+  const std::optional<at::Tensor> bias64 =
+      bias && bias->defined() ? std::optional<at::Tensor>(bias->to(at::kDouble)) : std::nullopt;
+  const at::Tensor logits = at::linear(hidden.to(at::kDouble), weight.to(at::kDouble), bias64)
+                                .to(hidden.scalar_type())
+                                .to(at::kDouble);
+  const at::ScalarType loss_t = at::promote_types(at::kFloat, hidden.scalar_type());
+  if (!num_items_in_batch || !num_items_in_batch->defined())
+    return at::cross_entropy_loss(logits, labels, std::nullopt, at::Reduction::Mean, ignore_index).to(loss_t);
+  const at::Tensor sum =
+      at::cross_entropy_loss(logits, labels, std::nullopt, at::Reduction::Sum, ignore_index);
+  return (sum / num_items_in_batch->reshape({}).to(sum.device(), at::kDouble)).to(loss_t);
+}
+
+}  // namespace kernmap::float64
+
 namespace kernmap::ops {
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_linear_cross_entropy", &kernmap::reference::linear_cross_entropy);
+  m.impl("float64_linear_cross_entropy", &kernmap::float64::linear_cross_entropy);
 }
 
 // The layer record (DESIGN §2), under transformers' name for the causal-LM loss of lm_head's output.
@@ -331,7 +357,16 @@ const LayerRegistrar kForCausalLMLossLayer(
           .op = "kernmap::linear_cross_entropy",
           .description = "LM head + cross-entropy by chunks of rows, gradients in the forward, no "
                          "[N, V] logits"},
-      /*default_on=*/{"cpu"}}});
+      /*default_on=*/{"cpu"}},
+     {KernelDescriptor{.name = "float64/linear_cross_entropy",
+                       .devices = {"*"},
+                       .dtypes = floating_dtypes(),
+                       .has_backward = true,
+                       .compile_safe = true,
+                       .op = "kernmap::float64_linear_cross_entropy",
+                       .description = "the reference's math from float64, rounded where it rounds (align's "
+                                      "noise run)"},
+      /*default_on=*/{}}});
 
 }  // namespace kernmap::ops
 

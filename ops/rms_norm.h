@@ -1,5 +1,5 @@
 // What the RMSNorm op (ops/rms_norm.cpp) and the fused residual add + RMSNorm op (ops/add_rms_norm.cpp)
-// share: the input checks and the CPU backward with its fixed-order weight gradient.
+// share: the input checks, the CPU backward with its fixed-order weight gradient, and the float64 kernel.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,3 +26,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const char* op, const a
                                                          const at::Tensor& weight, const at::Tensor& rstd);
 
 }  // namespace kernmap::ops
+
+namespace kernmap::float64 {
+
+/// RMSNorm's float64 kernel (ops/rms_norm.cpp): the reference's math from float64, rounded where it rounds.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+}  // namespace kernmap::float64

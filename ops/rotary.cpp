@@ -249,10 +249,43 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::T
 
 }  // namespace kernmap::reference
 
+namespace kernmap::float64 {
+namespace {
+
+at::Tensor rounded(const at::Tensor& t, at::ScalarType to) {
+  return t.to(to).to(at::kDouble);
+}
+
+// x * c + rotate_half(x) * s from float64, rounded where the reference rounds: each product to its eager
+// dtype, then the sum.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s) {
+  const at::ScalarType xc = at::promote_types(x.scalar_type(), c.scalar_type());
+  const at::ScalarType xs = at::promote_types(x.scalar_type(), s.scalar_type());
+  const at::Tensor x64 = x.to(at::kDouble);
+  const int64_t half = x.size(-1) / 2;
+  const at::Tensor rotated = at::cat({-x64.slice(-1, half), x64.slice(-1, 0, half)}, -1);
+  return (rounded(x64 * c.to(at::kDouble), xc) + rounded(rotated * s.to(at::kDouble), xs))
+      .to(at::promote_types(xc, xs));
+}
+
+}  // namespace
+
+// The reference's math from float64, rounded where it rounds (docs/training.md, "The verdict"): align's noise
+// run binds it.
+std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                int64_t unsqueeze_dim) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  return {rotate(q, c, s), rotate(k, c, s)};
+}
+
+}  // namespace kernmap::float64
+
 namespace kernmap::ops {
 
 TORCH_LIBRARY_IMPL(kernmap, CompositeImplicitAutograd, m) {
   m.impl("reference_apply_rotary", &kernmap::reference::apply_rotary);
+  m.impl("float64_apply_rotary", &kernmap::float64::apply_rotary);
 }
 
 // The layer record (DESIGN §2), under transformers' layer name.
@@ -273,7 +306,16 @@ const LayerRegistrar kRotaryPosEmbLayer(
                        .op = "kernmap::apply_rotary",
                        .description = "rotary embedding of q and k in one pass, eager roundings",
                        .supports = needs_even_head_dim},
-      /*default_on=*/{"cpu"}}});
+      /*default_on=*/{"cpu"}},
+     {KernelDescriptor{.name = "float64/apply_rotary",
+                       .devices = {"*"},
+                       .dtypes = floating_dtypes(),
+                       .has_backward = true,
+                       .compile_safe = true,
+                       .op = "kernmap::float64_apply_rotary",
+                       .description = "the reference's math from float64, rounded where it rounds (align's "
+                                      "noise run)"},
+      /*default_on=*/{}}});
 
 }  // namespace kernmap::ops
 

@@ -2,7 +2,6 @@
 #include "repository/folder.h"
 
 #include <algorithm>
-#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <system_error>
@@ -23,23 +22,6 @@ std::string read_small_file(const fs::path& path) {
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (!in.good() && !in.eof()) throw FormatError(path.string() + ": cannot read");
   return text;
-}
-
-std::string not_a_shared_object(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  unsigned char h[20] = {0};
-  in.read(reinterpret_cast<char*>(h), sizeof h);
-  if (in.gcount() < static_cast<std::streamsize>(sizeof h) || std::memcmp(h,
-                                                                          "\x7f"
-                                                                          "ELF",
-                                                                          4) != 0)
-    return "not an ELF file (a shared library starts with \\x7fELF)";
-  if (h[4] != (sizeof(void*) == 8 ? 2 : 1)) return "an ELF file of another word size than this process";
-  const bool little = h[5] == 1;
-  const unsigned type = little ? (h[16] | (h[17] << 8)) : ((h[16] << 8) | h[17]);
-  if (type != 3)
-    return "an ELF file of type " + std::to_string(type) + " (expected 3, ET_DYN: a shared object)";
-  return "";
 }
 
 RepositoryFiles scan_repository(const std::string& path) {

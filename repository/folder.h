@@ -20,9 +20,6 @@ constexpr std::uintmax_t kMaxMetadataBytes = 1 << 20;  ///< a manifest or lock l
 /// than kMaxMetadataBytes.
 std::string read_small_file(const std::filesystem::path& path);
 
-/// Why the file is not an ELF shared object for this process ("not an ELF file ..."), or "".
-std::string not_a_shared_object(const std::string& path);
-
 /// A repository folder as listed: its report (an error when it cannot be read, or its lock is malformed), the
 /// lock, and the package folders (sorted; hidden ones skipped).
 struct RepositoryFiles {

@@ -5,12 +5,14 @@
 #include "kernmap/plugins.h"
 
 #include <dlfcn.h>
+#include <link.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -21,20 +23,23 @@
 #include "kernmap/plugin.h"
 #include "kernmap/registry.h"
 #include "registry/mapping_levels.h"
+#include "repository/elf_check.h"
 #include "repository/folder.h"
 #include "repository/host.h"
 #include "repository/manifest.h"
-#include "repository/sha256.h"
+#include "repository/sealed_library.h"
 #include "repository/variant.h"
 
 namespace kernmap {
 namespace {
 
 namespace fs = std::filesystem;
+using repository::ElfTarget;
 using repository::kLockFile;
 using repository::kManifestFile;
 using repository::Manifest;
 using repository::RepositoryFiles;
+using repository::SealedLibrary;
 using repository::Stage;
 using repository::Variant;
 
@@ -172,16 +177,29 @@ void check_not_loaded(const Manifest& m, const std::string& library, bool& repea
                                             " is loaded already from " + it->second.location);
 }
 
-// The library's sha256 against the manifest's and, in a locked repository, the lock's; then that it is a
-// shared object. Nothing of the library runs before this passes.
-void verify_library(const std::string& library, const Variant& variant, const Manifest& m,
-                    const fs::path& dir, const RepositoryFiles& repo) {
-  std::string digest;
+// What the code of this process is built for: the ELF header of libkernmap itself, mapped at its base.
+ElfTarget this_process_target() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&this_process_target), &info) == 0 || info.dli_fbase == nullptr)
+    return {};
+  const auto* header = static_cast<const ElfW(Ehdr)*>(info.dli_fbase);
+  return {header->e_ident[EI_CLASS], header->e_ident[EI_DATA], header->e_machine};
+}
+
+// The library's bytes, read once into a sealed copy: every later phase sees exactly these bytes.
+std::unique_ptr<SealedLibrary> copy_library(const std::string& library) {
   try {
-    digest = sha256_file(library);
+    return std::make_unique<SealedLibrary>(library);
   } catch (const std::exception& e) {
     refuse(e.what());
   }
+}
+
+// The copy's sha256 against the manifest's and, in a locked repository, the lock's; then that it is a
+// shared object this process can map. Nothing of the library runs before this passes.
+void verify_library(const SealedLibrary& image, const std::string& library, const Variant& variant,
+                    const Manifest& m, const fs::path& dir, const RepositoryFiles& repo) {
+  const std::string& digest = image.sha256();
   if (digest != variant.sha256) {
     refuse("sha256 mismatch for " + library + ": " + (dir / kManifestFile).string() + " says " +
            variant.sha256 + ", the file has " + digest);
@@ -203,7 +221,8 @@ void verify_library(const std::string& library, const Variant& variant, const Ma
              m.version);
     }
   }
-  if (const std::string why = repository::not_a_shared_object(library); !why.empty())
+  if (const std::string why = repository::why_not_loadable(image.bytes(), this_process_target());
+      !why.empty())
     refuse(library + ": " + why);
 }
 
@@ -213,15 +232,28 @@ struct PluginEntry {
   kernmap_plugin_score_fn score_fn = nullptr;  // optional
 };
 
-// Opens the library (never to close it: see LoadedPackage) and checks its plugin ABI version before anything
-// else of it is called.
-PluginEntry open_library(const std::string& library) {
+// `text` with the copy's name replaced by the library's, for the dynamic linker's messages.
+std::string named(std::string text, const std::string& fd_path, const std::string& library) {
+  for (size_t at = text.find(fd_path); at != std::string::npos; at = text.find(fd_path, at + library.size()))
+    text.replace(at, fd_path.size(), library);
+  return text;
+}
+
+// Opens the sealed copy (never to close it: see LoadedPackage) and checks its plugin ABI version before
+// anything else of it is called.
+PluginEntry open_library(SealedLibrary& image, const std::string& library) {
+  // A loaded library of the same name would be returned instead of the copy (an application closed a
+  // descriptor kernmap keeps, and the number came back).
+  if (dlopen(image.fd_path().c_str(), RTLD_NOW | RTLD_NOLOAD) != nullptr)
+    refuse("cannot open " + library + ": a library named " + image.fd_path() + " is loaded already");
   dlerror();
-  void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* handle = dlopen(image.fd_path().c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
     const char* err = dlerror();
-    refuse("cannot open " + library + ": " + (err != nullptr ? err : "dlopen failed"));
+    refuse("cannot open " + library + ": " +
+           named(err != nullptr ? err : "dlopen failed", image.fd_path(), library));
   }
+  image.keep_open();
   const auto abi =
       reinterpret_cast<kernmap_plugin_abi_version_fn>(dlsym(handle, KERNMAP_PLUGIN_ABI_VERSION_SYMBOL));
   if (abi == nullptr)
@@ -306,8 +338,9 @@ void load_package(const fs::path& dir, const RepositoryFiles& repo, const Proces
   const Manifest m = read_manifest(dir, out);
   const auto [variant, library] = choose_library(dir, m, process, out);
   check_not_loaded(m, library, repeated);
-  verify_library(library, *variant, m, dir, repo);
-  const PluginEntry plugin = open_library(library);
+  const std::unique_ptr<SealedLibrary> image = copy_library(library);
+  verify_library(*image, library, *variant, m, dir, repo);
+  const PluginEntry plugin = open_library(*image, library);
   const std::string package_dir = fs::canonical(dir).string();
   const kernmap_plugin_host host = repository::make_host(m.name, m.version, package_dir);
   const int score = ask_score(plugin, host, out);

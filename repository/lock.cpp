@@ -1,6 +1,5 @@
 // `kernmap lock`: pinning every package of a repository (write_lock of include/kernmap/plugins.h).
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -8,6 +7,7 @@
 #include <vector>
 
 #include "kernmap/plugins.h"
+#include "repository/atomic_file.h"
 #include "repository/folder.h"
 #include "repository/manifest.h"
 #include "repository/sha256.h"
@@ -26,13 +26,14 @@ using repository::read_small_file;
 using repository::RepositoryFiles;
 using repository::resolve_inside;
 using repository::scan_repository;
+using repository::write_file_atomically;
 
 }  // namespace
 
 std::string write_lock(const std::string& dir) {
   // An existing lock is replaced, even a malformed one: only the manifests and the files count here.
   const RepositoryFiles repo = scan_repository(dir);
-  if (!fs::is_directory(dir)) throw std::invalid_argument("kernmap lock: " + repo.report.error);
+  if (!fs::is_directory(dir)) throw std::invalid_argument(repo.report.error);
   std::vector<std::string> problems;
   Lock lock;
   std::map<std::string, std::string> folder_of;
@@ -72,19 +73,12 @@ std::string write_lock(const std::string& dir) {
     }
   }
   if (!problems.empty()) {
-    std::string message = "kernmap lock: " + dir + "/" + kLockFile + " not written:";
+    std::string message = dir + "/" + kLockFile + " not written:";
     for (const auto& p : problems) message += "\n  " + p;
     throw std::invalid_argument(message);
   }
   const std::string text = lock_to_json(lock);
-  const fs::path target = fs::path(dir) / kLockFile;
-  const fs::path temp = fs::path(dir) / (std::string(kLockFile) + ".tmp");
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out.good()) throw std::invalid_argument("kernmap lock: cannot write '" + temp.string() + "'");
-  }
-  fs::rename(temp, target);
+  write_file_atomically((fs::path(dir) / kLockFile).string(), text);
   return text;
 }
 

@@ -23,7 +23,12 @@ std::string shown(const json& value) {
   throw FormatError(file + ": " + field + ": expected " + expected + ", got " + got);
 }
 
+// nlohmann takes a NUL byte for the end of its input, so "{...}\0anything" would parse as "{...}". JSON text
+// holds no raw NUL (in a string it is spelled \u0000), so one anywhere is refused before parsing.
 json parse_json(std::string_view text, const std::string& file) {
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos)
+    throw FormatError(file + ": a NUL byte at offset " + std::to_string(nul) +
+                      " (JSON text cannot hold one)");
   try {
     return json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {

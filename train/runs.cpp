@@ -77,7 +77,7 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
     return report;
   };
   run([](CausalLM& m) { return restore_reference(m); }, result.original);
-  run([&](CausalLM& m) { return bind_kernels(m, {}, noise_kernels); }, result.noise);
+  result.noise_report = run([&](CausalLM& m) { return bind_kernels(m, {}, noise_kernels); }, result.noise);
   result.report = run([&](CausalLM& m) { return bind_kernels(m, layers); }, result.kernelized);
   result.verdict = judge(result.original, result.kernelized, result.noise, rtol);
   result.max_loss_rel = result.verdict.loss.max_diff;

@@ -2,20 +2,15 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/isfinite.h>
 #include <c10/core/GradMode.h>
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 
 #include "kernmap/train.h"
 #include "train/checkpoint_format.h"
@@ -26,15 +21,6 @@ namespace {
 namespace cf = checkpoint_format;
 
 constexpr const char* kCheckpointFile = "checkpoint.safetensors";
-
-// Flushes a file (or folder) to disk so that a rename after it cannot expose unwritten data.
-void sync_path(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw CheckpointError(path + ": cannot open to sync");
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) throw CheckpointError(path + ": fsync failed");
-}
 
 double cpu_now() {
   timespec ts{};
@@ -114,19 +100,12 @@ void Trainer::save_checkpoint(const std::string& dir) const {
   for (const auto& [name, p] : params_) tensors.emplace_back("param/" + name, p.detach());
   for (const auto& item : optimizer_.state()) tensors.push_back(item);
   tensors.emplace_back("trainer/step", at::full({1}, step_, at::kLong));
-  const std::string final_path = dir + "/" + kCheckpointFile;
-  const std::string tmp_path = final_path + ".tmp";
-  write_safetensors(tmp_path, tensors,
+  // Whole or not at all (write_safetensors goes through a temporary file, fsync and rename): readers, and a
+  // run resumed after a crash, see the previous checkpoint or this one.
+  write_safetensors(dir + "/" + kCheckpointFile, tensors,
                     {{"format", "kernmap-train"},
                      {"step", std::to_string(step_)},
                      {"model_type", model_->config().model_type}});
-  sync_path(tmp_path);
-  // Test hook (tests/python/test_train.py): a pause between the complete temporary file and the rename, in
-  // which the test kills the process.
-  if (const char* pause = std::getenv("KERNMAP_TEST_SAVE_PAUSE_S"); pause != nullptr)
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(pause)));
-  std::filesystem::rename(tmp_path, final_path);  // atomic: readers see the old file or the new one
-  sync_path(dir);
 }
 
 int64_t Trainer::load_checkpoint(const std::string& dir) {

@@ -10,6 +10,7 @@ import kernmap
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 print(kernmap.kernelize(model, mode="training", compile=True))
 compiled = torch.compile(model, fullgraph=True)
+model.train()  # from_pretrained returns the model in eval mode
 
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ids = torch.randint(3, 60, (4, 16), generator=torch.Generator().manual_seed(0))

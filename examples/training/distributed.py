@@ -15,6 +15,7 @@ dist.init_process_group("gloo")  # CPU; "nccl" on CUDA devices
 rank, world = dist.get_rank(), dist.get_world_size()
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 report = kernmap.kernelize(model, mode="training")
+model.train()  # from_pretrained returns the model in eval mode
 if sys.argv[2] == "ddp":
     model = DistributedDataParallel(model)
 else:

@@ -11,6 +11,7 @@ import kernmap
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
 print(kernmap.kernelize(model, mode="training"))
+model.train()  # from_pretrained returns the model in eval mode
 
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 ids = torch.randint(3, 60, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -102,7 +102,9 @@ KERNMAP_API ProcessInfo process_info();
 
 /// Writes dir/kernmap.lock pinning every package of the repository dir (name -> version + the sha256 of each
 /// variant's library). Every library is hashed and must match its manifest; on any problem nothing is written
-/// and std::invalid_argument lists every problem. Returns the lock's text.
+/// and std::invalid_argument lists every problem. The lock is written whole or not at all: a write that fails
+/// (a full disk) throws std::runtime_error with the system's reason and leaves no partial file. Returns the
+/// lock's text.
 KERNMAP_API std::string write_lock(const std::string& dir);
 
 }  // namespace kernmap

@@ -256,7 +256,8 @@ KERNMAP_API const KernelDescriptor* float64_kernel(const std::string& layer);
 /// so one model is held at a time.
 struct KERNMAP_API AlignResult {
   std::vector<StepLog> original, kernelized, noise;
-  Report report;  ///< the kernelized run's binding
+  Report report;        ///< the kernelized run's binding
+  Report noise_report;  ///< the noise run's binding: every selected layer on its float64 kernel
   Verdict verdict;
   double max_loss_rel = 0, max_grad_norm_rel = 0;  ///< verdict.loss.max_diff, verdict.grad_norm.max_diff
   int64_t worst_loss_step = 0, worst_grad_norm_step = 0;  ///< their steps

@@ -358,7 +358,10 @@ inline auto lane_sum(V v) {
 
 // ---- math ----------------------------------------------------------------------------------------------
 
-/// a * b + c, fused (one rounding) where the level has FMA; the build does not contract expressions itself.
+/// a * b + c with one rounding where the level has FMA (avx2 and up: the intrinsic, so fused in every file,
+/// those compiled with -ffp-contract=off included); at baseline (SSE2 has no FMA) a product and a sum, two
+/// roundings. Plain a * b + c in the kernels is fused at those levels too, by GCC itself (-ffp-contract=fast,
+/// its default), except in the files that kernels/CMakeLists.txt compiles with -ffp-contract=off.
 inline VF madd(VF a, VF b, VF c) {
 #if defined(__AVX512F__)
   return _mm512_fmadd_ps(a, b, c);
@@ -368,7 +371,7 @@ inline VF madd(VF a, VF b, VF c) {
   return a * b + c;
 #endif
 }
-/// c - a * b, fused (one rounding) where the level has FMA.
+/// c - a * b, rounded as madd rounds.
 inline VF nmadd(VF a, VF b, VF c) {
 #if defined(__AVX512F__)
   return _mm512_fnmadd_ps(a, b, c);

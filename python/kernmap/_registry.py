@@ -4,6 +4,7 @@ become kernels with a descriptor registered in C++ (empty ``op``); this module k
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import json
 import os
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _library
+from ._library import KernmapError
 
 MODES = ("inference", "training", "inference+compile", "training+compile", "fallback")
 ALL_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -159,19 +161,77 @@ def clear_user_mappings() -> None:
     _library.call("kernmap_clear_user_mappings")
 
 
+class _Scope:
+    """One ``use_mapping`` block: its mapping as the C API's JSON, validated when the block is entered."""
+
+    def __init__(self, mapping_json: bytes, inherit: bool):
+        self.mapping_json, self.inherit = mapping_json, inherit
+        self.token: contextvars.Token | None = None
+
+
+# The scopes of this context, outermost first. A ContextVar, as the `kernels` library keeps its mapping: each
+# thread and each asyncio task sees the scopes entered in it (a task also those of the context it was created
+# in), never those of another.
+_scopes: contextvars.ContextVar[tuple[_Scope, ...]] = contextvars.ContextVar("kernmap_scopes", default=())
+
+
 @contextlib.contextmanager
-def use_mapping(mapping: Mapping | MappingFile, inherit: bool = True) -> Iterator[None]:
-    """Scoped override on this thread, highest level: ``with kernmap.use_mapping({...}): kernelize(...)``, or
-    ``with kernmap.use_mapping("kernmap.toml"): ...`` for a mapping file. With ``inherit=False`` user
-    registrations and defaults are hidden inside the block."""
-    if _is_path(mapping):
-        mapping = load_mapping_file(mapping)
-    handle = ctypes.c_uint64()
-    _library.call("kernmap_push_scope", json.dumps(_normalize(mapping)).encode(), int(inherit), ctypes.byref(handle))
+def _scopes_on_this_thread() -> Iterator[None]:
+    """This context's scopes, pushed on the calling thread's C++ scope stack for the length of one C API call
+    that resolves (C++ keeps scopes per thread; nothing else can run on this thread in between)."""
+    handles = []
     try:
+        for scope in _scopes.get():
+            handle = ctypes.c_uint64()
+            _library.call("kernmap_push_scope", scope.mapping_json, int(scope.inherit), ctypes.byref(handle))
+            handles.append(handle)
         yield
     finally:
+        for handle in reversed(handles):
+            _library.call("kernmap_pop_scope", handle)
+
+
+class use_mapping:  # noqa: N801 -- a context manager used like a function, as contextlib's are
+    """Scoped override, highest level: ``with kernmap.use_mapping({...}): kernelize(...)``, or
+    ``with kernmap.use_mapping("kernmap.toml"): ...`` for a mapping file. With ``inherit=False`` user
+    registrations and defaults are hidden inside the block.
+
+    The scope belongs to the current context (a `contextvars.ContextVar`): other threads and other asyncio tasks
+    do not see it; a task created inside the block does (it copies the context). It must be left in the context
+    that entered it: leaving it from another thread or task raises `KernmapError` and leaves it active where it
+    was entered. Scopes may end out of nesting order."""
+
+    def __init__(self, mapping: Mapping | MappingFile, inherit: bool = True):
+        self._mapping, self._inherit = mapping, inherit
+        self._scope: _Scope | None = None
+
+    def __enter__(self) -> None:
+        if self._scope is not None:
+            raise KernmapError("kernmap.use_mapping: this scope is entered already (a use_mapping object is "
+                               "entered once; make a new one per block)")
+        mapping = load_mapping_file(self._mapping) if _is_path(self._mapping) else self._mapping
+        scope = _Scope(json.dumps(_normalize(mapping)).encode(), self._inherit)
+        # Validated now, as register_mapping would, so that a typo fails where the block starts.
+        handle = ctypes.c_uint64()
+        _library.call("kernmap_push_scope", scope.mapping_json, int(scope.inherit), ctypes.byref(handle))
         _library.call("kernmap_pop_scope", handle)
+        scope.token = _scopes.set((*_scopes.get(), scope))
+        self._scope = scope
+
+    def __exit__(self, *exc) -> None:
+        scope = self._scope
+        if scope is None:
+            raise KernmapError("kernmap.use_mapping: this scope was never entered")
+        current = _scopes.get()
+        try:
+            # Only to check that this is the context that entered the scope: the value is set below.
+            _scopes.reset(scope.token)
+        except ValueError:
+            raise KernmapError(
+                "kernmap.use_mapping: this scope was entered in another context (another thread or asyncio "
+                "task) and must be left there; it stays active in the context that entered it") from None
+        _scopes.set(tuple(s for s in current if s is not scope))  # out of nesting order too
+        self._scope = None
 
 
 @dataclass(frozen=True)
@@ -205,7 +265,8 @@ def resolve(layer: str, device: str, mode: str, dtype: torch.dtype | str | None 
         request["dtype"] = dtype_name(dtype)
     if shapes is not None:
         request["shapes"] = [list(s) for s in shapes]
-    (text,) = _library.call("kernmap_resolve", json.dumps(request).encode(), outputs=1)
+    with _scopes_on_this_thread():
+        (text,) = _library.call("kernmap_resolve", json.dumps(request).encode(), outputs=1)
     d = json.loads(text)
     if not d["op"] and d["kernel"] not in _python_kernels:
         # A kernel registered without an op by another party (a C++ caller): nothing Python can call.
@@ -221,8 +282,9 @@ def kernels() -> list[dict]:
 
 
 def effective_mapping() -> dict:
-    """The mapping resolution sees on this thread, all levels merged."""
-    (text,) = _library.call("kernmap_effective_mapping", outputs=1)
+    """The mapping resolution sees in this context (thread, asyncio task), all levels merged."""
+    with _scopes_on_this_thread():
+        (text,) = _library.call("kernmap_effective_mapping", outputs=1)
     return json.loads(text)
 
 

@@ -90,10 +90,12 @@ def _previous(module: nn.Module) -> Callable:
 
 @torch.compiler.disable
 def _resolve_at_call(module: nn.Module, hidden_states: torch.Tensor) -> Callable | None:
-    training = torch.is_grad_enabled() and (module.gate_up_proj.requires_grad or hidden_states.requires_grad)
+    # Only down_proj is read before the layout check: every experts module has it, not every one a gate_up_proj
+    # (NemotronH's experts are up_proj and down_proj).
+    training = torch.is_grad_enabled() and (module.down_proj.requires_grad or hidden_states.requires_grad)
     mode = ("training" if training else "inference") + ("+compile" if torch.compiler.is_compiling() else "")
     cache = module.__dict__.setdefault("_kernmap_call_cache", {})
-    key = (mode, hidden_states.device.type, module.gate_up_proj.dtype)
+    key = (mode, hidden_states.device.type, module.down_proj.dtype)
     if key not in cache:
         if unsupported_layout(module) is not None:
             cache[key] = None

@@ -1,12 +1,15 @@
-// SHA-256 against FIPS 180-4 vectors, and manifest.json / kernmap.lock validation: every malformed input gets
-// an error naming the file, the field, the expected and the actual value.
+// SHA-256 against FIPS 180-4 vectors, manifest.json / kernmap.lock validation (every malformed input gets an
+// error naming the file, the field, the expected and the actual value), and the ELF checks of a library's
+// bytes.
+#include <elf.h>
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <string>
 
+#include "repository/elf_check.h"
 #include "repository/manifest.h"
 #include "repository/sha256.h"
 
@@ -116,6 +119,9 @@ TEST(Manifest, ErrorsNameFileFieldExpectedAndActual) {
       {manifest("", "", "./x.so"), {"variants[0].library", "normalized", "./x.so"}},
       {manifest().replace(manifest().find("\"8.0\""), 5, "8"),
        {"variants[0].toolkits.cann", "version string", "8"}},
+      // nlohmann would stop at the NUL and take the document before it.
+      {manifest() + std::string("\0garbage", 8),
+       {"a NUL byte at offset " + std::to_string(manifest().size()), "", ""}},
   };
   for (const Case& c : cases) {
     const std::string error = manifest_error(c.text);
@@ -150,6 +156,7 @@ TEST(Lock, ErrorsNameFieldExpectedAndActual) {
            R"("], "pinned": true}}})",
        "packages.kmx.pinned: expected no such field"},
       {R"({"lock_version": 1, "packages": {"../x": {"version": "1", "sha256": []}}})", "\"../x\""},
+      {std::string("{\"lock_version\": 1, \"packages\": {}}\0{", 37), "a NUL byte at offset 35"},
   };
   for (const auto& [text, part] : cases) {
     try {
@@ -195,6 +202,79 @@ TEST(Manifest, ResolveInsideRejectsSymlinksThatEscape) {
   }
   EXPECT_THROW(repository::resolve_inside(pkg, "lib/missing.so", "m.json", "library"), FormatError);
   fs::remove_all(root);
+}
+
+// A minimal ELF shared object of this byte order: the header, one PT_LOAD of the first 4096 bytes and a
+// PT_GNU_STACK (no file bytes), padded to 4096 bytes.
+constexpr unsigned char kNativeOrder = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? ELFDATA2LSB : ELFDATA2MSB;
+constexpr repository::ElfTarget kX86_64{ELFCLASS64, kNativeOrder, EM_X86_64};
+
+std::string elf_image(uint16_t machine = EM_X86_64, uint16_t type = ET_DYN) {
+  Elf64_Ehdr h{};
+  std::memcpy(h.e_ident, ELFMAG, SELFMAG);
+  h.e_ident[EI_CLASS] = ELFCLASS64;
+  h.e_ident[EI_DATA] = kNativeOrder;
+  h.e_ident[EI_VERSION] = EV_CURRENT;
+  h.e_type = type;
+  h.e_machine = machine;
+  h.e_version = EV_CURRENT;
+  h.e_phoff = sizeof h;
+  h.e_phentsize = sizeof(Elf64_Phdr);
+  h.e_phnum = 2;
+  h.e_ehsize = sizeof h;
+  Elf64_Phdr phdr[2]{};
+  phdr[0].p_type = PT_LOAD;
+  phdr[0].p_filesz = 4096;
+  phdr[0].p_memsz = 8192;
+  phdr[1].p_type = PT_GNU_STACK;
+  std::string image(4096, '\0');
+  std::memcpy(image.data(), &h, sizeof h);
+  std::memcpy(image.data() + sizeof h, phdr, sizeof phdr);
+  return image;
+}
+
+// Overwrites a field of the image with `value` in native byte order.
+template <typename T>
+std::string with(std::string image, size_t offset, T value) {
+  std::memcpy(image.data() + offset, &value, sizeof value);
+  return image;
+}
+
+TEST(ElfCheck, AcceptsAWholeSharedObjectOfThisMachine) {
+  EXPECT_EQ(repository::why_not_loadable(elf_image(), kX86_64), "");
+}
+
+TEST(ElfCheck, RefusesWhatDlopenWouldMapPastTheEndOrCannotLoad) {
+  const size_t phdr0 = sizeof(Elf64_Ehdr);
+  const std::pair<std::string, std::string> cases[] = {
+      {"", "not an ELF file"},
+      {"hello, this is text", "not an ELF file"},
+      {elf_image().substr(0, 40), "a truncated ELF file: 40 bytes, less than its 64-byte header"},
+      {elf_image().substr(0, 100),
+       "its program header table (offset 64, 2 entries of 56 bytes) ends past byte 100, the end of the file"},
+      {elf_image().substr(0, 3000),
+       "program header 0 (PT_LOAD) maps 4096 bytes from offset 0 of the file, but the file has 3000 bytes "
+       "(truncated?)"},
+      // Offsets near 2^64: the range check must not wrap around.
+      {with(elf_image(), phdr0 + offsetof(Elf64_Phdr, p_offset), uint64_t{0xffffffffffffff00}),
+       "maps 4096 bytes from offset 18446744073709551360"},
+      {with(elf_image(), offsetof(Elf64_Ehdr, e_phoff), uint64_t{0xfffffffffffffff0}),
+       "its program header table (offset 18446744073709551600"},
+      {with(elf_image(), offsetof(Elf64_Ehdr, e_phentsize), uint16_t{32}), "e_phentsize is 32 (expected 56)"},
+      {with(elf_image(), offsetof(Elf64_Ehdr, e_phnum), uint16_t{0}), "without program headers"},
+      {elf_image(EM_X86_64, ET_EXEC), "an ELF file of type 2 (expected 3, ET_DYN: a shared object)"},
+      {elf_image(EM_AARCH64), "built for aarch64, this machine is x86_64"},
+      {with(elf_image(EM_386), EI_CLASS, uint8_t{ELFCLASS32}),
+       "built for i386 (32-bit), this machine is x86_64 (64-bit)"},
+      {elf_image(EM_RISCV), "built for riscv64"},
+      {elf_image(4242), "built for e_machine 4242"},
+      {with(elf_image(), EI_CLASS, uint8_t{7}), "EI_CLASS is 7 (expected 1 or 2)"},
+      {with(elf_image(), EI_VERSION, uint8_t{9}), "EI_VERSION is 9 (expected 1)"},
+  };
+  for (const auto& [image, part] : cases) {
+    const std::string why = repository::why_not_loadable(image, kX86_64);
+    EXPECT_NE(why.find(part), std::string::npos) << "'" << part << "' not in: '" << why << "'";
+  }
 }
 
 }  // namespace

@@ -262,6 +262,9 @@ TEST_F(MappingFile, JsonSyntaxErrorsHaveLineAndColumn) {
   EXPECT_THAT(error_of("e.json", ""), HasSubstr("e.json:1:1: invalid JSON: "));
   EXPECT_EQ(error_of("d.json", R"({"MfNorm": {"cpu": "mf/fast", "cpu": "mf/slow"}})"),
             "d.json: /MfNorm/cpu: duplicate key 'cpu'");
+  // nlohmann would stop at the NUL and take the document before it, ignoring the rest.
+  EXPECT_EQ(error_of("n.json", std::string("{\"MfNorm\": {}}\n\0{\"garbage\"", 26)),
+            "n.json:2:1: a NUL byte (offset 15; JSON text cannot hold one)");
 }
 
 // TOML syntax is toml++'s: its message after "invalid TOML: ", at the location it reports.

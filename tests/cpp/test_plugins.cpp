@@ -1,12 +1,25 @@
 // The plugin loader with real plugin libraries (tests/plugins) in temporary repositories: the good plugin
-// loads and runs; every failure case is refused with a clear reason and leaves the process working.
-#include <dlfcn.h>
+// loads and runs; every failure case is refused with a clear reason and leaves the process working: truncated
+// libraries and one built for another machine, a library swapped after it was hashed, a full disk under
+// `kernmap lock`.
+#include <elf.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/fanotify.h>
+#include <sys/mount.h>
+#include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <thread>
 #include <vector>
 
@@ -35,13 +48,10 @@ LoadOptions options(const std::string& repository, bool strict = false) {
   return o;
 }
 
-int kmgood_calls(const std::string& library) {
-  void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_NOLOAD);
-  if (handle == nullptr) return -1;
-  const auto fn = reinterpret_cast<int (*)()>(dlsym(handle, "kmgood_calls"));
-  const int calls = fn != nullptr ? fn() : -1;
-  dlclose(handle);  // drops only the reference RTLD_NOLOAD added
-  return calls;
+// How often kmgood's kernel ran, through its op (kmgood::calls); -1 when kmgood is not loaded.
+int64_t kmgood_calls() {
+  const auto op = c10::Dispatcher::singleton().findSchema({"kmgood::calls", ""});
+  return op ? op->typed<int64_t()>().call() : -1;
 }
 
 at::Tensor reference_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -89,12 +99,11 @@ TEST(Plugins, GoodPluginLoadsThroughKernmapPathAndRunsInTheRMSNormLayer) {
   }
   const Report kr = kernelize(layer, "cpu", Mode::kTraining);
   EXPECT_EQ(layer.kernel().name, "kmgood/rms_norm");
-  const std::string library = (repo.root() / "kmgood" / "lib" / "libkmgood.so").string();
-  const int before = kmgood_calls(fs::canonical(library).string());
+  const int64_t before = kmgood_calls();
   ASSERT_GE(before, 0) << "the plugin library is not loaded";
   const at::Tensor x = at::randn({3, 7}, at::kDouble).to(at::kFloat).requires_grad_(true);
   const at::Tensor y = layer.forward(x);
-  EXPECT_EQ(kmgood_calls(fs::canonical(library).string()), before + 1);
+  EXPECT_EQ(kmgood_calls(), before + 1);
   const at::Tensor x_ref = x.detach().clone().requires_grad_(true);
   const at::Tensor y_ref = reference_rms_norm(x_ref, layer.weight().detach(), 1e-6);
   EXPECT_TRUE(at::allclose(y, y_ref, 1e-6, 1e-6));
@@ -208,6 +217,127 @@ TEST(Plugins, EveryFailureIsRefusedWithItsReasonAndTheProcessKeepsWorking) {
   expect_registry_works();
 }
 
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// A package whose library is a test plugin's changed by `change`, with a manifest that gives the changed
+// file's sha256: only the checks of the library itself can refuse it.
+template <typename Change>
+void add_changed_library(TempRepo& repo, const std::string& folder, const std::string& name,
+                         const std::string& plugin, Change change) {
+  json m = repo.add(folder, name, plugin);
+  const fs::path library = repo.root() / folder / "lib" / ("lib" + plugin + ".so");
+  std::string bytes = read_bytes(library);
+  change(bytes);
+  testing::write_file(library, bytes);
+  m["variants"][0]["sha256"] = sha256_file(library.string());
+  repo.write_manifest(folder, m);
+}
+
+TEST(Plugins, TruncatedLibrariesAreRefusedBeforeDlopenMapsThem) {
+  TempRepo repo;
+  const uintmax_t size = fs::file_size(testing::plugin_library("kmgood"));
+  const std::pair<std::string, uintmax_t> cuts[] = {
+      {"cut-1k", 1024}, {"cut-8k", 8192}, {"cut-half", size / 2}};
+  for (const auto& [folder, keep] : cuts)
+    add_changed_library(repo, folder, "km" + folder, "kmgood",
+                        [keep = keep](std::string& b) { b.resize(keep); });
+  // Before the check, dlopen mapped segments past the end of these files and the process died of SIGBUS.
+  const LoadReport report = load_plugins(options(repo.path()));
+  for (const auto& [folder, keep] : cuts) {
+    const PackageReport& p = entry(report, folder);
+    EXPECT_EQ(p.state, PackageState::kRefused) << folder << ": " << p.reason;
+    expect_contains(p.reason, "lib/libkmgood.so: ");
+    expect_contains(p.reason, "but the file has " + std::to_string(keep) + " bytes (truncated?)");
+  }
+  expect_registry_works();
+}
+
+TEST(Plugins, ALibraryBuiltForAnotherMachineIsRefusedNamingBoth) {
+  TempRepo repo;
+  const std::string bytes = read_bytes(testing::plugin_library("kmzero"));
+  uint16_t machine = 0;
+  std::memcpy(&machine, bytes.data() + offsetof(Elf64_Ehdr, e_machine), sizeof machine);
+  const uint16_t other = machine == EM_AARCH64 ? EM_X86_64 : EM_AARCH64;
+  add_changed_library(repo, "other-machine", "kmother", "kmzero", [other](std::string& b) {
+    std::memcpy(b.data() + offsetof(Elf64_Ehdr, e_machine), &other, sizeof other);
+  });
+  const PackageReport p = entry(load_plugins(options(repo.path())), "other-machine");
+  EXPECT_EQ(p.state, PackageState::kRefused) << p.reason;
+  // Before, dlopen's own message: "cannot open shared object file: No such file or directory".
+  expect_contains(p.reason, std::string("lib/libkmzero.so: built for ") +
+                                (other == EM_AARCH64 ? "aarch64" : "x86_64") + ", this machine is " +
+                                process_info().arch);
+}
+
+// Replaces `target` by `replacement` (a rename over it) the moment something first opens `target`, before
+// that open returns: the opener reads the original, every later open of the path finds the replacement.
+// The race a local attacker can try to win between hashing a library and opening it again, made certain
+// with fanotify permission events (root with CAP_SYS_ADMIN; error() says why not when unavailable).
+class SwapOnFirstOpen {
+ public:
+  SwapOnFirstOpen(const fs::path& target, const fs::path& replacement) {
+    fan_ = fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC, O_RDONLY | O_CLOEXEC);
+    if (fan_ < 0 || fanotify_mark(fan_, FAN_MARK_ADD, FAN_OPEN_PERM, AT_FDCWD, target.c_str()) != 0) {
+      error_ = std::string("fanotify: ") + std::strerror(errno);
+      return;
+    }
+    watcher_ = std::thread([this, target, replacement] {
+      while (!stop_) {
+        pollfd ready{fan_, POLLIN, 0};
+        if (poll(&ready, 1, 20) <= 0) continue;
+        alignas(fanotify_event_metadata) char buffer[4096];
+        ssize_t length = read(fan_, buffer, sizeof buffer);
+        for (auto* event = reinterpret_cast<fanotify_event_metadata*>(buffer); FAN_EVENT_OK(event, length);
+             event = FAN_EVENT_NEXT(event, length)) {
+          if (!swapped_) swapped_ = std::rename(replacement.c_str(), target.c_str()) == 0;
+          const fanotify_response allow{event->fd, FAN_ALLOW};
+          if (write(fan_, &allow, sizeof allow) != sizeof allow) ADD_FAILURE() << "fanotify response failed";
+          close(event->fd);
+        }
+      }
+    });
+  }
+  ~SwapOnFirstOpen() {
+    stop_ = true;
+    if (watcher_.joinable()) watcher_.join();
+    if (fan_ >= 0) close(fan_);
+  }
+  SwapOnFirstOpen(const SwapOnFirstOpen&) = delete;
+  SwapOnFirstOpen& operator=(const SwapOnFirstOpen&) = delete;
+
+  const std::string& error() const { return error_; }
+  bool swapped() const { return swapped_; }
+
+ private:
+  int fan_ = -1;
+  std::string error_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> swapped_{false};
+  std::thread watcher_;
+};
+
+TEST(Plugins, ALibrarySwappedAfterHashingNeverRuns) {
+  TempRepo repo;
+  repo.add("swapped", "kmswap", "kmzero");
+  write_lock(repo.path());  // pins kmzero's sha256
+  const fs::path library = repo.root() / "swapped" / "lib" / "libkmzero.so";
+  const fs::path replacement = repo.root() / "replacement.so";  // a plain file: not a package
+  fs::copy_file(testing::plugin_library("kmfails"), replacement);
+  SwapOnFirstOpen swap(library, replacement);
+  if (!swap.error().empty()) GTEST_SKIP() << "the swap cannot be timed here: " << swap.error();
+  const PackageReport p = entry(load_plugins(options(repo.path())), "swapped");
+  ASSERT_TRUE(swap.swapped()) << "the loader never opened " << library;
+  EXPECT_EQ(sha256_file(library.string()), sha256_file(testing::plugin_library("kmfails")));
+  // The code that ran is the hashed kmzero's (its score skips it), not kmfails' (it would register and fail
+  // with "the acme runtime is missing"): before, 3 opens of the path let the third load the replacement.
+  EXPECT_EQ(p.state, PackageState::kSkipped) << p.reason;
+  EXPECT_EQ(p.reason, "the plugin's score is 0: no acme NPU on this machine");
+  EXPECT_EQ(find_kernel("kmfails/rms_norm"), nullptr);
+}
+
 TEST(Plugins, LockPinsNameVersionAndHash) {
   TempRepo repo;
   repo.add("kmgood", "kmgood", "kmgood");
@@ -267,6 +397,63 @@ TEST(Plugins, LockPinsNameVersionAndHash) {
   expect_contains(entry(report, "kmrival").defaults[0],
                   "RMSNorm on npu: applied, replacing package 'kmgood' (score 2 < 5)");
   EXPECT_EQ(resolve("RMSNorm", "npu", Mode::kInference).kernel->name, "kmrival/rms_norm_npu");
+}
+
+// A tmpfs on a new folder that fill() fills to its last page: nothing more can be written there. Mounting
+// needs CAP_SYS_ADMIN; error() says why not when unavailable.
+class FullDisk {
+ public:
+  FullDisk() : root_(fs::temp_directory_path() / ("kernmap-full-disk-" + std::to_string(::getpid()))) {
+    fs::create_directories(root_);
+    if (mount("tmpfs", root_.c_str(), "tmpfs", 0, "size=1m") != 0)
+      error_ = std::string("mount -t tmpfs: ") + std::strerror(errno);
+  }
+  ~FullDisk() {
+    if (error_.empty()) umount2(root_.c_str(), MNT_DETACH);
+    std::error_code ec;
+    fs::remove_all(root_, ec);
+  }
+  FullDisk(const FullDisk&) = delete;
+  FullDisk& operator=(const FullDisk&) = delete;
+
+  void fill() const {
+    const int fd = open((root_ / "filler").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    const std::string block(4096, 'x');
+    while (fd >= 0 && write(fd, block.data(), block.size()) > 0) {
+    }
+    if (fd >= 0) close(fd);
+  }
+  const fs::path& root() const { return root_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  fs::path root_;
+  std::string error_;
+};
+
+TEST(Plugins, AFullDiskFailsTheLockWithTheReasonAndLeavesNoPartialFile) {
+  const FullDisk disk;
+  if (!disk.error().empty()) GTEST_SKIP() << "no small file system to fill here: " << disk.error();
+  const fs::path repo = disk.root() / "repo";
+  const fs::path library = repo / "kmzero" / "lib" / "libkmzero.so";
+  fs::create_directories(library.parent_path());
+  fs::copy_file(testing::plugin_library("kmzero"), library);
+  testing::write_file(
+      repo / "kmzero" / "manifest.json",
+      testing::manifest_for("kmzero", "lib/libkmzero.so", sha256_file(library.string())).dump());
+  disk.fill();
+  const fs::path lock = repo / "kernmap.lock";
+  try {
+    write_lock(repo.string());
+    ADD_FAILURE() << "write_lock succeeded on a full disk";
+  } catch (const std::runtime_error& e) {
+    // Before: "kernmap lock: cannot write '.../kernmap.lock.tmp'", no reason, and the .tmp left behind.
+    expect_contains(e.what(), "cannot write " + lock.string() + ": write failed: No space left on device");
+    expect_contains(e.what(), "the partial " + lock.string() + ".tmp was removed");
+    EXPECT_EQ(std::string(e.what()).find("kernmap lock"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(lock));
+  EXPECT_FALSE(fs::exists(lock.string() + ".tmp"));
 }
 
 TEST(Plugins, VariantNeedsTheProcessToolkit) {

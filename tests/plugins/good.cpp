@@ -1,6 +1,7 @@
 // Test plugin "kmgood": a CPU RMSNorm with its own torch op (kmgood::rms_norm), the same op offered as a
 // kernel for the "npu" device with a default mapping for it, and a default for RMSNorm on cpu that kernmap's
-// built-in default must keep. kmgood_calls() counts forward calls, so a test can tell this kernel ran.
+// built-in default must keep. The op kmgood::calls() counts forward calls, so a test can tell this kernel ran
+// (the library is loaded from a sealed copy under /proc/self/fd, so a test cannot find it by its path).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -33,10 +34,6 @@ int fail(const kernmap_plugin_host* host, char* error, size_t capacity, char* me
 
 }  // namespace
 
-KERNMAP_PLUGIN_EXPORT int kmgood_calls(void) {
-  return calls.load();
-}
-
 KERNMAP_PLUGIN_EXPORT uint32_t kernmap_plugin_abi_version(void) {
   return KERNMAP_PLUGIN_ABI_VERSION;
 }
@@ -50,6 +47,7 @@ KERNMAP_PLUGIN_EXPORT int kernmap_plugin_register(const kernmap_plugin_host* hos
   if (!ops) {
     ops = std::make_unique<torch::Library>(torch::Library::DEF, "kmgood", std::nullopt, __FILE__, __LINE__);
     ops->def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+    ops->def("calls() -> int", [] { return int64_t{calls.load()}; });
   }
   char* message = nullptr;
   if (host->register_kernel(R"j({"name": "kmgood/rms_norm", "layer": "RMSNorm", "devices": ["cpu"],

@@ -1,6 +1,6 @@
-"""Runs `python -m kernmap align ARGS` twice in this process — with the built-in kernels, then with RMSNorm mapped
-to a kernel wrong by 1e-3 (the reference's output times 1 + 1e-3) — and prints both JSON documents, one per
-line. tests/python/test_py_align.py runs it once per CPU level (KERNMAP_CPU_ISA is read when the library loads)
+"""Runs `python -m kernmap align ARGS` twice in this process — with the built-in kernels, then, for 3 steps (it
+fails at the first), with RMSNorm mapped to a kernel wrong by 1e-3 (the reference's output times 1 + 1e-3) — and
+prints both JSON documents on one line. tests/python/test_py_align.py runs it once per CPU level (KERNMAP_CPU_ISA is read when the library loads)
 and thread count."""
 
 import contextlib
@@ -31,5 +31,5 @@ if __name__ == "__main__":
     argv = sys.argv[1:] + ["--json"]
     correct = run(argv)
     with kernmap.use_mapping({"RMSNorm": {"cpu": PERTURBED}}):
-        perturbed = run(argv)
+        perturbed = run(argv + ["--steps", "3"])
     print(json.dumps({"correct": correct, "perturbed": perturbed}))

@@ -10,6 +10,11 @@ import kernmap  # noqa: F401  (registers torch.ops.kernmap)
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "families: kernelize on every causal-LM family of transformers (about 20 s; "
+                                       "-m 'not families' leaves it out)")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

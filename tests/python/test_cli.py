@@ -50,7 +50,7 @@ def test_cpu_level_override(run_cli):
 
 
 def test_bench_json_document(run_cli):
-    out = run_cli("bench", "ops", "--json", "--filter", "rms_norm/bfloat16", "--warmup", "0", "--reps", "1")
+    out = run_cli("bench", "ops", "--json", "--filter", "^rms_norm/bfloat16", "--warmup", "0", "--reps", "1")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["machine"]["copy_gbps"] > 0 and doc["machine"]["threads"] >= 1 and doc["machine"]["cpu_level"]
@@ -78,7 +78,7 @@ def test_train_json_document(run_cli):
     assert doc["kernels"]["device"] == "cpu" and doc["kernels"]["layers"]
     assert [s["step"] for s in doc["steps"]] == [1, 2]
     for s in doc["steps"]:
-        assert list(s) == ["step", "loss", "grad_norm", "seconds", "tokens", "tokens_per_s"]
+        assert list(s) == ["step", "loss", "grad_norm", "seconds", "tokens", "tokens_per_s", "skipped"]
         assert s["loss"] > 0 and s["grad_norm"] > 0 and s["tokens"] > 0
 
 
@@ -87,10 +87,10 @@ def test_align_json_document_numbers_round_trip(run_cli):
     out = run_cli("align", *TINY, "--rtol", repr(rtol), "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert list(doc) == ["model", "passed", "rtol", "max_loss_rel", "max_grad_norm_rel", "kernels", "original",
-                         "kernelized"]
+    assert list(doc) == ["model", "passed", "rtol", "noise_factor", "max_loss_rel", "max_grad_norm_rel", "kernels",
+                         "noise_kernels", "verdict", "original", "noise", "kernelized"]
     assert doc["rtol"] == rtol and doc["passed"] is True
-    assert len(doc["original"]) == len(doc["kernelized"]) == 2
+    assert len(doc["original"]) == len(doc["noise"]) == len(doc["kernelized"]) == 2
     assert doc["max_loss_rel"] <= rtol and doc["max_grad_norm_rel"] <= rtol
 
 
@@ -99,10 +99,12 @@ def test_ablate_json_document(run_cli):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["model"] == "qwen2-tiny"
-    # Rows in model order: the C++ decoder layer registers its mlp before its norms, as transformers does.
-    assert [r["name"] for r in doc["rows"]] == ["original", "+SiluAndMul", "+RMSNorm", "all"]
+    # Rows in model order: the C++ decoder layer registers its attention (rotary), its mlp, then its norms (layer
+    # 0's input norm plain, the others fused with the residual add), as transformers does; the loss last.
+    assert [r["name"] for r in doc["rows"]] == ["original", "+rotary_pos_emb", "+SiluAndMul", "+RMSNorm",
+                                                "+FusedAddRMSNorm", "+ForCausalLMLoss", "all"]
     for r in doc["rows"]:
-        assert list(r) == ["name", "median_s", "p25_s", "p75_s", "speedup_pct", "min_s", "median_cpu_s",
+        assert list(r) == ["name", "experts", "median_s", "p25_s", "p75_s", "speedup_pct", "min_s", "median_cpu_s",
                            "cpu_speedup_pct", "peak_bytes", "final_loss", "seconds"]
         assert len(r["seconds"]) == 2 and isinstance(r["peak_bytes"], int) and r["peak_bytes"] > 0
 
@@ -122,7 +124,8 @@ def test_mapping_files_before_and_after_the_command_apply_in_order(run_cli, tmp_
     out = run_cli("--mapping", first, "plan", "--preset", "qwen2-tiny", "--json", "--mapping", second)
     assert out.returncode == 0, out.stderr
     kernels = {e["path"]: e["kernel"] for e in json.loads(out.stdout)["layers"]}
-    assert kernels["model.norm"] == "kernmap/rms_norm"  # the later file's entry replaced the first's
+    # the later file's entry replaced the first's (layer 0's input norm: the others are fused with the residual add)
+    assert kernels["model.layers.0.input_layernorm"] == "kernmap/rms_norm"
     assert kernels["model.layers.0.mlp"] == "reference/silu_and_mul"
 
 
@@ -274,22 +277,22 @@ def test_lock_errors_name_the_command_once(run_cli, tmp_path):
     assert "not a folder" in out.stderr
 
 
-TINY = ["--preset", "qwen2-tiny", "--seq-len", "8", "--examples", "4", "--batch-size", "2"]
+SMALL_DATA = ["--preset", "qwen2-tiny", "--seq-len", "8", "--examples", "4", "--batch-size", "2"]
 
 
 def test_resume_with_steps_not_above_the_checkpoint_is_refused(run_cli, tmp_path):
-    out = run_cli("train", *TINY, "--steps", "2", "--save", tmp_path)
+    out = run_cli("train", *SMALL_DATA, "--steps", "2", "--save", tmp_path)
     assert out.returncode == 0, out.stderr
-    out = run_cli("train", *TINY, "--steps", "2", "--resume", tmp_path)
+    out = run_cli("train", *SMALL_DATA, "--steps", "2", "--resume", tmp_path)
     assert out.returncode == 2
     assert f"--steps 2 is not above the step of {tmp_path}'s checkpoint (2)" in out.stderr
 
 
 def test_a_diverging_run_stops_naming_the_step_or_skips_with_the_flag(run_cli):
     # An absurd learning rate makes the weights overflow after the first update: step 2's loss is not finite.
-    out = run_cli("train", *TINY, "--steps", "4", "--lr", "1e30")
+    out = run_cli("train", *SMALL_DATA, "--steps", "4", "--lr", "1e30")
     assert out.returncode == 1 and "step 2" in out.stderr, out.stderr
-    out = run_cli("train", *TINY, "--steps", "4", "--lr", "1e30", "--skip-non-finite", "--json")
+    out = run_cli("train", *SMALL_DATA, "--steps", "4", "--lr", "1e30", "--skip-non-finite", "--json")
     assert out.returncode == 0, out.stderr
     steps = json.loads(out.stdout)["steps"]
     assert [s["skipped"] for s in steps] == [False, True, True, True]

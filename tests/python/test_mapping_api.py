@@ -113,7 +113,7 @@ def test_report_fallback_reasons_dtype_backward_and_disable(monkeypatch):
 def test_report_table_and_dict():
     report = kernmap.kernelize(make_model("qwen3_moe"), mode="training")
     text = str(report)
-    assert text.splitlines()[0] == "kernmap.kernelize on cpu (training): 13 of 13 layers replaced, 0 fallbacks"
+    assert text.splitlines()[0] == "kernmap.kernelize on cpu (training): 16 of 16 layers replaced, 0 fallbacks"
     experts_line = next(line for line in text.splitlines() if line.startswith("model.layers.1.mlp.experts "))
     assert experts_line.split() == ["model.layers.1.mlp.experts", "Qwen3MoeExperts", "Experts", "kernmap/experts",
                                     "default", "mapping", "(training)"]

@@ -1,6 +1,6 @@
 """Plugins from Python and the CLI, each in a fresh process (plugins stay loaded for the life of a process): loading
 from KERNMAP_PATH at import, kernelize running the plugin's kernel, strict loading, import warnings, `kernmap
-kernels` and `kernmap lock`. The test plugins are real shared libraries built by tests/plugins/CMakeLists.txt."""
+kernels` and `kernmap lock`, truncated and foreign libraries, and a full disk. The test plugins are real shared libraries built by tests/plugins/CMakeLists.txt."""
 
 import hashlib
 import json
@@ -47,10 +47,10 @@ def run_python(code: str, **env):
 
 
 def test_import_loads_kernmap_path_and_kernelize_runs_the_plugin_kernel(tmp_path):
-    lib = add_package(tmp_path, "kmgood", "kmgood", "kmgood")
+    add_package(tmp_path, "kmgood", "kmgood", "kmgood")
     add_package(tmp_path, "throws", "kmthrows", "kmthrows")
     out = run_python(f"""
-        import ctypes, json, os, warnings
+        import json, warnings
         import torch
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -66,14 +66,13 @@ def test_import_loads_kernmap_path_and_kernelize_runs_the_plugin_kernel(tmp_path
         x = torch.randn(4, 11)
         expected = norm(x)
         rows = kernmap.kernelize(norm, mode="training", device="cpu").rows
-        plugin = ctypes.CDLL({str(os.path.realpath(lib))!r}, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-        before = plugin.kmgood_calls()
+        before = torch.ops.kmgood.calls()
         y = norm(x)
         print(json.dumps({{
             "warnings": [str(w.message) for w in caught],
             "states": states,
             "kernel": rows[0].kernel,
-            "calls": plugin.kmgood_calls() - before,
+            "calls": torch.ops.kmgood.calls() - before,
             "max_error": (y - expected).abs().max().item(),
             "npu": kernmap.resolve("RMSNorm", "npu", "inference").kernel,
             "again": [(p["state"], p["reason"]) for p in kernmap.load_plugins()["packages"] if p["name"] == "kmgood"],
@@ -176,4 +175,104 @@ def test_cli_lock_pins_hashes_equal_to_hashlib_and_refuses_a_mismatch(tmp_path, 
     out = run_cli("lock", str(tmp_path))
     assert out.returncode == 1
     assert "not written" in out.stderr and "kmrival/manifest.json: variants[0].sha256" in out.stderr
+    assert out.stderr.startswith(f"kernmap lock: {tmp_path}/kernmap.lock not written:"), out.stderr
+    assert out.stderr.count("kernmap lock:") == 1, out.stderr  # the prefix once: the library adds none
     assert not (tmp_path / "kernmap.lock").exists()
+
+
+def add_broken_package(repo: Path, folder: str, plugin: str, change) -> None:
+    """A package whose library is a test plugin's bytes changed by `change`, with a manifest giving the changed
+    file's sha256 (so only the checks of the library itself can refuse it)."""
+    data = change((PLUGINS / f"lib{plugin}.so").read_bytes())
+    add_package(repo, folder, "km" + folder, plugin, sha256=hashlib.sha256(data).hexdigest()).write_bytes(data)
+
+
+def other_machine(data: bytes) -> bytes:
+    """The library marked as built for another machine (its e_machine: aarch64, or x86_64 on aarch64)."""
+    other = 62 if int.from_bytes(data[18:20], "little") == 183 else 183
+    return data[:18] + other.to_bytes(2, "little") + data[20:]
+
+
+def broken_repository(repo: Path) -> dict[str, str]:
+    """Truncated libraries (1 KiB, 8 KiB, half) and one for another machine, each with a matching sha256; folder ->
+    a part of the reason it must be refused with."""
+    size = (PLUGINS / "libkmgood.so").stat().st_size
+    for folder, keep in (("cut-1k", 1024), ("cut-8k", 8192), ("cut-half", size // 2)):
+        add_broken_package(repo, folder, "kmgood", lambda b, keep=keep: b[:keep])
+    add_broken_package(repo, "other-machine", "kmzero", other_machine)
+    machine = "x86_64" if os.uname().machine == "aarch64" else "aarch64"
+    return {"cut-1k": "but the file has 1024 bytes (truncated?)", "cut-8k": "but the file has 8192 bytes (truncated?)",
+            "cut-half": f"but the file has {size // 2} bytes (truncated?)",
+            "other-machine": f"built for {machine}, this machine is {os.uname().machine}"}
+
+
+def test_import_and_every_command_survive_truncated_and_foreign_libraries(tmp_path, run_cli):
+    reasons = broken_repository(tmp_path)
+    add_package(tmp_path, "kmgood", "kmgood", "kmgood")
+    env = {"KERNMAP_PATH": str(tmp_path)}
+    # Before the ELF checks, dlopen mapped the cut files past their end: import kernmap and every command died of
+    # SIGBUS (returncode -7), `kernmap lock` included.
+    out = run_python("""
+        import json, warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import kernmap
+        print(json.dumps({"warnings": [str(w.message) for w in caught],
+                          "states": {p["folder"]: p["state"] for p in kernmap.plugin_report()["packages"]}}))
+    """, **env)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["states"] == {**dict.fromkeys(reasons, "refused"), "kmgood": "loaded"}
+    for folder, reason in reasons.items():
+        assert any(f"{folder} refused:" in w and reason in w for w in doc["warnings"]), (folder, doc["warnings"])
+
+    commands = [("kernels",), ("plan", "--preset", "qwen2-tiny"), ("lock", tmp_path)]
+    for command in commands:
+        out = run_cli(*command, env=env)
+        assert out.returncode == 0, (command, out.returncode, out.stderr)
+        for folder, reason in reasons.items():
+            assert folder in out.stderr and reason in out.stderr, (command, folder, out.stderr)
+
+
+class FullDisk:
+    """A 1 MiB tmpfs mounted on a folder; fill() uses its last page."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def fill(self) -> None:
+        with open(self.root / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"x" * 4096)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A FullDisk; skips where mounting is not allowed (mount needs root)."""
+    root = tmp_path / "disk"
+    root.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    yield FullDisk(root)
+    subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def test_a_full_disk_fails_lock_and_checkpoints_with_the_reason_and_no_partial_file(full_disk, run_cli):
+    repo = full_disk.root / "repo"
+    add_package(repo, "kmzero", "kmzero", "kmzero")
+    checkpoint = full_disk.root / "ck"
+    full_disk.fill()
+    out = run_cli("lock", repo)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"kernmap lock: cannot write {repo}/kernmap.lock: write failed: No space left on "
+                                  f"device (the partial {repo}/kernmap.lock.tmp was removed; {repo}/kernmap.lock is "
+                                  "unchanged)"), out.stderr
+    out = run_cli("train", "--preset", "qwen2-tiny", "--seq-len", 16, "--steps", 1, "--save", checkpoint)
+    assert out.returncode == 1
+    assert f"cannot write {checkpoint}/checkpoint.safetensors: write failed: No space left on device" in out.stderr
+    assert sorted(p.name for p in full_disk.root.rglob("*") if p.suffix == ".tmp") == []
+    assert not (repo / "kernmap.lock").exists() and not (checkpoint / "checkpoint.safetensors").exists()

@@ -69,7 +69,8 @@ def test_align_with_lora_passes_and_fuses_the_lora_mlp(family, checkpoints):
     assert doc["lora"] == {"r": 4, "alpha": 8.0, "target": "all-linear"}
     layers = {row["layer"] for row in doc["kernels"]["layers"] if not row["fallback"]}
     assert layers >= ({"RMSNorm", "SiluAndMul"} if family == "qwen2" else {"RMSNorm", "Experts"})
-    assert all(row["path"].startswith("base_model.model.") for row in doc["kernels"]["layers"])
+    # every bound module is inside peft's wrapper (the causal LM itself, for ForCausalLMLoss)
+    assert all(row["path"].startswith("base_model.model") for row in doc["kernels"]["layers"])
 
 
 def test_align_with_gradient_checkpointing_passes(checkpoints):
@@ -78,8 +79,10 @@ def test_align_with_gradient_checkpointing_passes(checkpoints):
 
 
 def test_compile_adds_the_compiled_original_and_kernelized_runs(checkpoints):
+    # aot_eager: the fake-tensor trace and autograd graphs of torch.compile without inductor's code generation
+    # (minutes on 2 cores; test_kernelize_models.py runs inductor)
     doc = align_json("--model", checkpoints / "qwen2", "--steps", "2", "--seq-len", "16", "--batch-size", "2",
-                     "--compile")
+                     "--compile", "--compile-backend", "aot_eager")
     assert set(doc["compile"]) == {"original+compile", "kernelized+compile"}
     for name, run in doc["compile"].items():
         assert len(run["steps"]) == 2 and run["verdict"]["passed"], name
@@ -143,14 +146,16 @@ def supported_levels():
 def test_a_kernel_wrong_by_1e3_fails_and_the_builtin_kernels_pass_everywhere(level, threads):
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("align_driver.py")), "--preset",
                           "qwen3-moe-tiny", "--steps", "10", "--seq-len", "32", "--threads", str(threads)],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, KERNMAP_CPU_ISA=level))
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, KERNMAP_CPU_ISA=level, OMP_WAIT_POLICY="PASSIVE"))  # tests/cpp/CMakeLists.txt: why
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.splitlines()[-1])
     assert doc["correct"]["passed"] and doc["correct"]["exit_code"] == 0, doc["correct"]["verdict"]
     perturbed = doc["perturbed"]
     assert not perturbed["passed"] and perturbed["exit_code"] == 1
     assert any(r["kernel"] == "test/rms_norm_perturbed" for r in perturbed["kernels"]["layers"])
-    assert perturbed["verdict"]["grad_norm"]["worst_step"] == 1  # wrong from the first step
+    norm = perturbed["verdict"]["grad_norm"]
+    assert norm["diff"][0] > norm["tolerance"][0]  # wrong from the first step
 
 
 def test_the_cpp_presets_are_the_same_models(tmp_path):
@@ -158,12 +163,16 @@ def test_the_cpp_presets_are_the_same_models(tmp_path):
         subprocess.run([str(BUILD / "tests" / "cpp" / "kernmap_model_probe"), "preset", name, str(tmp_path / name)],
                        check=True, capture_output=True, timeout=300)
         cpp = json.loads((tmp_path / name / "config.json").read_text())
-        ours = presets.preset_config(name).to_dict()
+        config = presets.preset_config(name)
+        ours = config.to_dict()
         for key, value in cpp.items():
             if key in ("architectures", "transformers_version", "dtype", "torch_dtype", "rope_theta",
                        "rope_scaling", "use_sliding_window", "sliding_window", "max_window_layers"):
                 continue
-            assert ours.get(key) == value, (name, key, ours.get(key), value)
+            mine = getattr(config, key, None)  # through the config's attribute map (num_experts, ...)
+            if key == "head_dim" and mine is None:  # Qwen2's config derives it
+                mine = ours["hidden_size"] // ours["num_attention_heads"]
+            assert mine == value, (name, key, mine, value)
         assert ours["rope_parameters"]["rope_theta"] == cpp.get("rope_theta", 1e6)
 
 
@@ -200,6 +209,11 @@ def test_malformed_jsonl_lines_are_reported_as_the_cpp_command_reports_them(tmp_
     cpp = subprocess.run([str(BUILD / "kernmap"), "align", "--preset", "qwen2-tiny", "--data", str(data), "--steps",
                           "1"], capture_output=True, text=True, timeout=300)
     assert code == cpp.returncode == 1
-    problems = [line.strip() for line in ours.splitlines() if line.strip().startswith("line ")]
-    assert problems == [line.strip() for line in cpp.stderr.splitlines() if line.strip().startswith("line ")]
-    assert [p.split(":")[0] for p in problems] == [f"line {n}" for n in (2, 3, 4, 6, 7, 8)]
+    def problems(err):
+        # Each JSON parser names a syntax error in its own words, after "not valid JSON: ".
+        return [line.strip().split(": not valid JSON: ")[0] for line in err.splitlines()
+                if line.strip().startswith("line ")]
+
+    assert problems(ours) == problems(cpp.stderr)
+    assert [p.split(":")[0] for p in problems(ours)] == [f"line {n}" for n in (2, 3, 4, 6, 7, 8)]
+    assert "line 2: not valid JSON: Expecting value" in ours

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import types
 from collections.abc import Callable
 
@@ -68,7 +69,8 @@ def original_forward(module: nn.Module) -> Callable:
     deep copy of a bound module calls its own)."""
     original = module.__dict__.get(_ORIGINAL, _NO_INSTANCE_FORWARD)
     if original is _NO_INSTANCE_FORWARD:
-        return types.MethodType(type(module).forward, module)
+        # A partial, not types.MethodType: torch.compile traces it (fullgraph=True refuses a MethodType call).
+        return functools.partial(type(module).forward, module)
     return original
 
 

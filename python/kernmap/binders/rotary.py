@@ -6,6 +6,7 @@ function's name to the kernel. Other modules, other models and the modeling modu
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections.abc import Callable
@@ -18,6 +19,30 @@ from .base import Binder, bind_forward, foreign_forward
 
 LAYER = "rotary_pos_emb"
 PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]
+
+
+def _code(fn) -> tuple:
+    """What a function computes, as far as its code says: bytecode, names and constants (not docstrings or line
+    numbers), so that transformers' copies of one function compare equal across modeling modules."""
+    c = fn.__code__
+    return c.co_code, c.co_names, c.co_varnames, tuple(x for x in c.co_consts if not isinstance(x, str))
+
+
+@functools.cache
+def _forms() -> dict[tuple, bool]:
+    """The codes of transformers' apply_rotary_pos_emb whose math is the kernel's, to whether that form casts each
+    result back to its input's dtype: Llama's (the one most models copy) and Olmo's (the cast added)."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.olmo2 import modeling_olmo2
+
+    return {_code(modeling_llama.apply_rotary_pos_emb): False, _code(modeling_olmo2.apply_rotary_pos_emb): True}
+
+
+@functools.cache
+def _rotate_half() -> tuple:
+    from transformers.models.llama import modeling_llama
+
+    return _code(modeling_llama.rotate_half)
 
 
 def rotary_function(cls: type) -> str | None:
@@ -51,6 +76,14 @@ class RotaryBinder(Binder):
             params = None
         if params != PARAMETERS:
             return f"{name} takes {params}, not transformers' ({', '.join(PARAMETERS)})"
+        # The marker names the layer, not the math: gpt-oss rotates with half-width cos/sin, NanoChat's rotate_half
+        # has the other sign. Only code that is transformers' rotate-half form computes the kernel's contract.
+        if not isinstance(fn, types.FunctionType) or _code(fn) not in _forms():
+            return (f"{fn.__module__}.{name} is not transformers' rotate-half apply_rotary_pos_emb (the code of "
+                    "modeling_llama's, which kernmap's kernel computes)")
+        rotate = fn.__globals__.get("rotate_half")
+        if not isinstance(rotate, types.FunctionType) or _code(rotate) != _rotate_half():
+            return f"{fn.__module__}.rotate_half is not transformers' (modeling_llama's): another rotation"
         if foreign_forward(module):
             return f"{cls}'s forward is replaced on the instance (hooks or another library)"
         head_dim = getattr(module, "head_dim", None)
@@ -64,9 +97,11 @@ class RotaryBinder(Binder):
     def bind(self, module: nn.Module, kernel: Callable) -> None:
         name = rotary_function(type(module))
         forward = class_forward(module)
+        casts = _forms()[_code(forward.__globals__[name])]
 
         def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-            return kernel(q, k, cos, sin, unsqueeze_dim)
+            q_embed, k_embed = kernel(q, k, cos, sin, unsqueeze_dim)
+            return (q_embed.to(q.dtype), k_embed.to(k.dtype)) if casts else (q_embed, k_embed)
 
         scope = dict(forward.__globals__)
         scope[name] = apply_rotary_pos_emb

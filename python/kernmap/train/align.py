@@ -38,6 +38,7 @@ class AlignResult:
     runs: dict[str, Run]
     verdicts: dict[str, Verdict]  # every judged run's, by run name
     report: object  # the kernelized model's kernelize report
+    noise_report: object  # the noise run's: the selected layers on their float64 kernels
 
     @property
     def passed(self) -> bool:
@@ -51,12 +52,11 @@ def align(session: Session) -> AlignResult:
     if args.compile:
         runs += [Run("original+compile", Setup(compile=True)),
                  Run("kernelized+compile", Setup(session.layers, compile=True))]
-    report = None
+    reports = {}
     progress = progress_bar("align", session.parallel.main and not args.json)
     total = len(runs) * args.steps
     for run in runs:
-        model, run_report = session.models.make(run.setup)
-        report = run_report if run.name == "kernelized" else report
+        model, reports[run.name] = session.models.make(run.setup)
         trainer = Trainer(model, session.data, session.options, session.parallel, session.models.pad_id)
         for _ in range(args.steps):
             run.logs.append(trainer.step())
@@ -67,7 +67,7 @@ def align(session: Session) -> AlignResult:
     original, noise = by_name["original"].series(), by_name["noise"].series()
     verdicts = {r.name: judge(original, r.series(), noise, args.rtol) for r in runs
                 if r.name not in ("original", "noise")}
-    return AlignResult(by_name, verdicts, report)
+    return AlignResult(by_name, verdicts, reports["kernelized"], reports["noise"])
 
 
 def kernels_json(report) -> dict:
@@ -84,6 +84,7 @@ def to_json(session: Session, result: AlignResult) -> dict:
     out = {"model": session.source.name, "passed": result.passed, "rtol": main.rtol,
            "noise_factor": main.noise_factor, "max_loss_rel": main.loss.max_diff,
            "max_grad_norm_rel": main.grad_norm.max_diff, "kernels": kernels_json(result.report),
+           "noise_kernels": {r.layer: r.kernel for r in (result.noise_report.rows if result.noise_report else [])},
            "parallel": {"kind": session.parallel.kind, "world": session.parallel.world},
            "lora": None if session.models.lora is None else vars(session.models.lora),
            "gradient_checkpointing": session.models.gradient_checkpointing,

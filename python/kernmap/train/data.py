@@ -94,8 +94,8 @@ def _read_ids(obj: dict, key: str, vocab_size: int) -> tuple[list[int], str | No
 def _parse_line(line: str, vocab_size: int) -> tuple[Example | None, str | None]:
     try:
         obj = json.loads(line)
-    except ValueError:
-        return None, "not valid JSON"
+    except ValueError as e:  # the parser's own words follow, as in the C++ command's message
+        return None, f"not valid JSON: {e}"
     if not isinstance(obj, dict):
         return None, "not a JSON object"
     prompt, problem = _read_ids(obj, "prompt_ids", vocab_size)

@@ -106,16 +106,17 @@ def float64_kernel(layer: str) -> str | None:
     return next((k["name"] for k in kernmap.kernels() if k["layer"] == layer and k["provider"] == "float64"), None)
 
 
-def bind_layers(model: nn.Module, layers: frozenset[str], device: str, float64: bool = False) -> kernmap.Report:
-    """kernelize for training, then the modules of layers not in `layers` back to their own forward (the
-    report says "not selected by --kernels"). float64: the selected layers on their float64 kernels (a layer
-    without one keeps its own forward)."""
+def bind_layers(model: nn.Module, layers: frozenset[str], device: str, float64: bool = False,
+                compile: bool = False) -> kernmap.Report:  # noqa: A002 -- kernelize's keyword
+    """kernelize for training (compile: only compile-safe kernels), then the modules of layers not in `layers`
+    back to their own forward (the report says "not selected by --kernels"). float64: the selected layers on
+    their float64 kernels (a layer without one keeps its own forward)."""
     mapping = {}
     if float64:
         mapping = {layer: {device: name} for layer in layers if (name := float64_kernel(layer))}
         layers = frozenset(mapping)
     with kernmap.use_mapping(mapping):
-        report = kernmap.kernelize(model, mode="training", device=device)
+        report = kernmap.kernelize(model, mode="training", device=device, compile=compile)
     binders = {b.layer: b for b in BINDERS}
     rows = []
     for row in report.rows:
@@ -140,6 +141,7 @@ class Models:
     parallel: Parallel
     lora: Lora | None = None
     gradient_checkpointing: bool = False
+    compile_backend: str = "inductor"  # torch.compile's backend for the +compile runs
 
     @property
     def pad_id(self) -> int:
@@ -161,10 +163,11 @@ class Models:
             model.set_experts_implementation(setup.experts)
         if self.lora is not None:
             model = self.lora.apply(model)
-        report = bind_layers(model, setup.layers, self.parallel.device, setup.float64) if setup.layers else None
+        report = (bind_layers(model, setup.layers, self.parallel.device, setup.float64, setup.compile)
+                  if setup.layers else None)
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = self.parallel.wrap(model.to(self.parallel.device))
         if setup.compile:
-            model = torch.compile(model)
+            model = torch.compile(model, backend=self.compile_backend)
         return model, report

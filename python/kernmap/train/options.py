@@ -82,6 +82,8 @@ def parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true",
                    help="add torch.compile of the original and of the kernelized model as runs")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile's backend for the --compile runs (default inductor)")
     p.add_argument("--parallel", choices=PARALLEL, default="none",
                    help="data parallel under torchrun: ddp or fsdp2 (gloo on CPU)")
     p.add_argument("--mapping", action="append", default=[], help="user mappings from a .json or .toml file")

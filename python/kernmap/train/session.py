@@ -58,7 +58,7 @@ def open_session(args: argparse.Namespace) -> Session:
     source = Source(preset=args.preset, model_dir=args.model, config_path=args.config, dtype=args.dtype)
     base = source.load()
     lora = Lora(args.lora_r, args.lora_alpha, args.lora_target) if args.lora_r > 0 else None
-    models = Models(base, parallel, lora, args.gradient_checkpointing)
+    models = Models(base, parallel, lora, args.gradient_checkpointing, args.compile_backend)
     vocab = base.config.vocab_size
     if args.data:
         data = read_jsonl(args.data, vocab, args.skip_bad_lines)

@@ -26,7 +26,7 @@ void streaming_stores_write_the_same_bits(const Case& c) {
   const int64_t n = c["n"], offset = c.layout == "offset1" ? 1 : 0, rows = 5;
   const at::Tensor x = randn({rows, n}, c.dtype), u = randn({rows, n}, c.dtype),
                    dy = randn({rows, n}, c.dtype);
-  const at::Tensor w = (1 + 0.1 * at::randn({n}, at::kDouble)).to(acc);
+  const at::Tensor w = norm_weight(n, acc);
   // Output buffers [rows, cols] starting `offset` elements into a fresh (poisoned, 64-byte aligned) block.
   auto out = [&](int64_t cols) {
     return at::empty({rows * cols + offset}, at::TensorOptions(c.dtype)).narrow(0, offset, rows * cols);

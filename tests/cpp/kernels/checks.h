@@ -1,11 +1,18 @@
 // The table's checks that are not "an op against its reference" (expect_matches_reference): bit-level
 // properties of the raw kernels, bounds against float64 math, non-finite inputs, thread-count invariance, the
-// ops' errors, and the harness's own proofs. Each runs one case of its row in table.cpp.
+// ops' errors, and the harness's own proofs. Each runs one case of its row in table.cpp (add_rms_norm_inputs
+// builds the inputs that a reference row shares with a check).
 #pragma once
 
 #include "tests/cpp/kernels/harness.h"
 
 namespace kernmap::testing {
+
+/// The attention's operand layouts the rotary rows run on (decoder_checks.cpp, rotary_inputs, says what each
+/// is).
+inline const std::vector<std::string> kRotaryLayouts = {
+    "attention_views",     "contiguous", "bshd_unsqueeze2", "fused_qkv",
+    "per_batch_positions", "sd_cos",     "strided_cos"};
 
 // activation_checks.cpp: RMSNorm and the SiLU family.
 /// Sizes n; layouts "aligned", "offset1" (outputs one element into a fresh block).
@@ -35,6 +42,25 @@ void moe_combine_has_the_bits_of_the_scalar_math(const Case& c);
 /// Sizes H, k.
 void moe_combine_backward_matches_scalar_math_and_float64(const Case& c);
 void experts_same_bits_at_any_thread_count(const Case& c);
+
+// decoder_checks.cpp: the rotary embedding and the residual add fused with RMSNorm.
+/// Sizes D; layouts kRotaryLayouts.
+void rotary_has_the_eager_bits_and_float64_bound(const Case& c);
+void rotary_gives_cos_and_sin_gradients(const Case& c);
+/// Sizes D; layouts "aligned", "offset1" (outputs one element into a fresh block).
+void rotary_streaming_stores_write_the_same_bits(const Case& c);
+void rotary_empty_inputs(const Case& c);
+/// The inputs of the add_rms_norm rows (sizes rows, H; layouts kRowLayouts): x in the case's layout, the
+/// residual in the next one (next_row_layout), the weight in `weight_dtype`.
+std::vector<at::Tensor> add_rms_norm_inputs(const Case& c, at::ScalarType weight_dtype);
+void add_rms_norm_has_the_bits_of_the_add_then_rms_norm(const Case& c);
+/// Sizes rows, H.
+void add_rms_norm_backward_is_rms_norm_backward_plus_the_residual_gradient(const Case& c);
+void add_rms_norm_same_bits_at_any_thread_count(const Case& c);
+/// Sizes H; layouts "aligned", "offset1".
+void add_rms_norm_streaming_stores_write_the_same_bits(const Case& c);
+void add_rms_norm_empty_inputs(const Case& c);
+void decoder_ops_name_the_bad_argument(const Case& c);
 
 // harness_checks.cpp: the ops' errors, the levels, and the harness's proofs.
 void ops_name_the_bad_argument(const Case& c);

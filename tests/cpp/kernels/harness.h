@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -78,12 +79,21 @@ Tolerance tolerance(at::ScalarType dtype, int64_t terms = 1);
 
 // ---- the common check: a kernmap op against its reference (reference_check.cpp) ---------------------------
 
+/// The outputs of an op: one tensor, or the two of an op that returns a pair (add_rms_norm's normed output
+/// and sum). Implicit, so that a row's kernel and reference return what the op returns.
+struct Outputs {
+  std::vector<at::Tensor> tensors;
+  Outputs(at::Tensor t) : tensors{std::move(t)} {}
+  Outputs(std::tuple<at::Tensor, at::Tensor> t)
+      : tensors{std::move(std::get<0>(t)), std::move(std::get<1>(t))} {}
+};
+
 /// An op and its reference on the same inputs, forward and backward.
 struct Compared {
   /// The inputs, in the layouts of the case; the floating ones get gradients.
   std::vector<at::Tensor> inputs;
-  std::function<at::Tensor(const std::vector<at::Tensor>&)> kernel, reference;
-  /// Per compared result (the output, then the gradient of each floating input in order): how many terms it
+  std::function<Outputs(const std::vector<at::Tensor>&)> kernel, reference;
+  /// Per compared result (each output, then the gradient of each floating input in order): how many terms it
   /// sums (the tolerance rule "sum"); missing entries are 1.
   std::vector<int64_t> terms = {};
   /// For 16-bit dtypes: judge each result by its distance from the reference computed in float64 (on the
@@ -95,10 +105,10 @@ struct Compared {
   /// reference is.
   bool low_precision_against_float64 = false;
 };
-/// Runs the kernel and the reference on the inputs, then both backward with one random output gradient, and
-/// checks the output and every input gradient with the tolerance of the case's dtype. Returns the kernel's
-/// output and input gradients (for a row's further checks). A kernel output that has no autograd history
-/// is compared forward only.
+/// Runs the kernel and the reference on the inputs, then both backward with one random gradient per output,
+/// and checks every output and every input gradient with the tolerance of the case's dtype. Returns the
+/// kernel's outputs and input gradients, in that order (for a row's further checks). Kernel outputs that have
+/// no autograd history are compared forward only.
 std::vector<at::Tensor> expect_matches_reference(const Case& c, const Compared& op);
 
 /// Inputs [rows, n] holding the same random values in each layout of kRowLayouts: "contiguous", "sliced1" and
@@ -106,9 +116,14 @@ std::vector<at::Tensor> expect_matches_reference(const Case& c, const Compared& 
 /// column-major copy viewed back), "3d" ([2 or 3, rows / that, n]: a view of the contiguous tensor).
 at::Tensor laid_out(const std::string& layout, int64_t rows, int64_t n, at::ScalarType dtype);
 inline const std::vector<std::string> kRowLayouts = {"contiguous", "sliced1", "sliced2", "transposed", "3d"};
+/// The layout after `layout` in kRowLayouts, the last followed by the first: a second operand's, so that two
+/// operands of one case differ in layout.
+const std::string& next_row_layout(const std::string& layout);
 
 /// Standard normal values drawn in float64, rounded to dtype.
 at::Tensor randn(at::IntArrayRef sizes, at::ScalarType dtype);
+/// A norm's weight [H]: 1 + 0.1 standard normal values drawn in float64, rounded to dtype.
+at::Tensor norm_weight(int64_t H, at::ScalarType dtype);
 /// The int32 cumulative row ends of groups of these sizes (grouped_mm's offs).
 at::Tensor offsets(const std::vector<int64_t>& group_sizes);
 /// The accumulation type of a dtype: float64 for float64, else float32.

@@ -1,7 +1,10 @@
 // The common check (an op against its reference, forward and backward) and the input builders of the table.
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
+#include <iterator>
 #include <stdexcept>
+#include <string>
 
 #include "tests/cpp/kernels/harness.h"
 
@@ -32,6 +35,10 @@ at::Tensor randn(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::randn(sizes, at::kDouble).to(dtype);
 }
 
+at::Tensor norm_weight(int64_t H, at::ScalarType dtype) {
+  return (1 + 0.1 * at::randn({H}, at::kDouble)).to(dtype);
+}
+
 at::Tensor offsets(const std::vector<int64_t>& group_sizes) {
   std::vector<int> ends;
   int total = 0;
@@ -53,6 +60,12 @@ at::Tensor laid_out(const std::string& layout, int64_t rows, int64_t n, at::Scal
     return values.view({2, rows / 2, n});
   }
   throw std::invalid_argument("unknown layout '" + layout + "'");
+}
+
+const std::string& next_row_layout(const std::string& layout) {
+  const auto it = std::find(kRowLayouts.begin(), kRowLayouts.end(), layout);
+  if (it == kRowLayouts.end()) throw std::invalid_argument("unknown layout '" + layout + "'");
+  return std::next(it) == kRowLayouts.end() ? kRowLayouts.front() : *std::next(it);
 }
 
 namespace {
@@ -86,7 +99,9 @@ std::vector<at::Tensor> expect_matches_reference(const Case& c, const Compared& 
       return out;
     };
     const std::vector<at::Tensor> mine = leaves(false), theirs = leaves(false), exact = leaves(true);
-    const at::Tensor y = op.kernel(mine), want = op.reference(theirs), truth = op.reference(exact);
+    // Ops with one output (the experts).
+    const at::Tensor y = op.kernel(mine).tensors.at(0), want = op.reference(theirs).tensors.at(0),
+                     truth = op.reference(exact).tensors.at(0);
     const double atol = tolerance(c.dtype).atol;
     EXPECT_TRUE(no_further_than_the_reference(y, want, truth, atol)) << "the output";
     std::vector<at::Tensor> results = {y.detach()};
@@ -111,15 +126,27 @@ std::vector<at::Tensor> expect_matches_reference(const Case& c, const Compared& 
     return out;
   };
   const std::vector<at::Tensor> mine = leaves(), theirs = leaves();
-  const at::Tensor y = op.kernel(mine), want = op.reference(theirs);
-  const ::testing::AssertionResult forward = close(y, want, tolerance(c.dtype, terms(0)));
-  EXPECT_TRUE(forward) << "the output";
-  std::vector<at::Tensor> results = {y.detach()};
-  if (!forward || !y.requires_grad()) return results;
-  const at::Tensor dy = randn(y.sizes(), y.scalar_type());
-  torch::autograd::backward({y}, {dy});
-  torch::autograd::backward({want}, {dy});
-  size_t result = 1;
+  const std::vector<at::Tensor> ys = op.kernel(mine).tensors, wants = op.reference(theirs).tensors;
+  if (ys.size() != wants.size()) {
+    ADD_FAILURE() << "the kernel returns " << ys.size() << " outputs, the reference " << wants.size();
+    return {};
+  }
+  bool forward = true;
+  std::vector<at::Tensor> results, with_history, their_outputs, dys;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    const ::testing::AssertionResult close_enough = close(ys[i], wants[i], tolerance(c.dtype, terms(i)));
+    EXPECT_TRUE(close_enough) << (ys.size() == 1 ? std::string("the output") : "output " + std::to_string(i));
+    forward = forward && close_enough;
+    results.push_back(ys[i].detach());
+    if (!ys[i].requires_grad()) continue;
+    with_history.push_back(ys[i]);
+    their_outputs.push_back(wants[i]);
+    dys.push_back(randn(ys[i].sizes(), ys[i].scalar_type()));
+  }
+  if (!forward || with_history.empty()) return results;
+  torch::autograd::backward(with_history, dys);
+  torch::autograd::backward(their_outputs, dys);
+  size_t result = ys.size();
   for (size_t i = 0; i < mine.size(); ++i) {
     if (!mine[i].is_floating_point()) continue;
     const at::Tensor& got = mine[i].grad();

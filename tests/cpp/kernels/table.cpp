@@ -12,10 +12,6 @@ namespace {
 
 const std::vector<int64_t> kOddSizes = {1, 7, 769, 5125};
 
-at::Tensor norm_weight(int64_t H, at::ScalarType dtype) {
-  return (1 + 0.1 * at::randn({H}, at::kDouble)).to(dtype);
-}
-
 // rms_norm with the weight in `weight_dtype` (Undefined: x's dtype).
 void rms_norm_matches_reference(const Case& c, at::ScalarType weight_dtype) {
   const int64_t H = c["H"];
@@ -25,6 +21,22 @@ void rms_norm_matches_reference(const Case& c, at::ScalarType weight_dtype) {
           .kernel = [](const auto& in) { return kernmap::rms_norm(in[0], in[1], 1e-6); },
           .reference = [](const auto& in) { return kernmap::reference::rms_norm(in[0], in[1], 1e-6); },
           .terms = {1, 1, c["rows"]}});  // dW sums over the rows
+}
+
+// add_rms_norm with the weight in `weight_dtype` (Undefined: x's dtype): the normed output and the sum, and
+// the gradients of x, the residual and the weight.
+void add_rms_norm_matches_reference(const Case& c, at::ScalarType weight_dtype) {
+  const std::vector<at::Tensor> out = expect_matches_reference(
+      c,
+      {.inputs = add_rms_norm_inputs(c, weight_dtype == at::ScalarType::Undefined ? c.dtype : weight_dtype),
+       .kernel = [](const auto& in) { return kernmap::add_rms_norm(in[0], in[1], in[2], 1e-6); },
+       .reference =
+           [](const auto& in) { return kernmap::reference::add_rms_norm(in[0], in[1], in[2], 1e-6); },
+       .terms = {1, 1, 1, 1, c["rows"]}});  // dW sums over the rows
+  // x and the residual get one gradient, the sum's.
+  if (out.size() == 5) {
+    EXPECT_TRUE(same_bits(out[3], out[2])) << "the residual's gradient against x's";
+  }
 }
 
 // grouped_mm on 4 experts; b [E, K, N], or a transposed view of [E, N, K] (the Experts layer's weights).
@@ -204,6 +216,50 @@ const std::vector<Row>& kernel_table() {
        .layouts = {""},
        .check = silu_handles_extreme_inputs},
       {.op = "empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = empty_inputs},
+      // ---- the residual add fused with RMSNorm: against its reference, then properties ----
+      {.op = "add_rms_norm",
+       .shapes = grid({{"rows", {6}}, {"H", kOddSizes}}),
+       .layouts = kRowLayouts,
+       .check = [](const Case& c) { add_rms_norm_matches_reference(c, at::ScalarType::Undefined); }},
+      {.op = "add_rms_norm_fp32_weight",
+       .shapes = grid({{"rows", {6}}, {"H", kOddSizes}}),
+       .layouts = kRowLayouts,
+       .check = [](const Case& c) { add_rms_norm_matches_reference(c, at::kFloat); },
+       .dtypes = {at::kBFloat16, at::kHalf}},
+      {.op = "add_rms_norm_eager_bits",
+       .shapes = grid({{"rows", {6}}, {"H", kOddSizes}}),
+       .layouts = kRowLayouts,
+       .check = add_rms_norm_has_the_bits_of_the_add_then_rms_norm},
+      {.op = "add_rms_norm_backward_bits",
+       .shapes = {{.sizes = {{"rows", 11}, {"H", 259}}}},
+       .layouts = {""},
+       .check = add_rms_norm_backward_is_rms_norm_backward_plus_the_residual_gradient},
+      {.op = "add_rms_norm_thread_count",
+       .shapes = {{.sizes = {{"rows", 300}, {"H", 777}}}},
+       .layouts = {""},
+       .check = add_rms_norm_same_bits_at_any_thread_count},
+      {.op = "add_rms_norm_streaming_stores",
+       .shapes = grid({{"H", {64, 80, 37}}}),
+       .layouts = {"aligned", "offset1"},
+       .check = add_rms_norm_streaming_stores_write_the_same_bits},
+      {.op = "add_rms_norm_empty_inputs",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = add_rms_norm_empty_inputs},
+      // ---- the rotary embedding: bit for bit against the eager math, within a float64 bound ----
+      {.op = "rotary",
+       .shapes = grid({{"D", {2, 6, 64, 128, 130}}}),
+       .layouts = kRotaryLayouts,
+       .check = rotary_has_the_eager_bits_and_float64_bound},
+      {.op = "rotary_cos_sin_gradients",
+       .shapes = grid({{"D", {6}}}),
+       .layouts = {"attention_views"},
+       .check = rotary_gives_cos_and_sin_gradients},
+      {.op = "rotary_streaming_stores",
+       .shapes = grid({{"D", {64, 130}}}),
+       .layouts = {"aligned", "offset1"},
+       .check = rotary_streaming_stores_write_the_same_bits},
+      {.op = "rotary_empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = rotary_empty_inputs},
       // ---- grouped_mm: against its reference (uneven groups, empty ones, edge blocks in every dimension;
       // the
       // second shape spans several 64-column blocks and 128-column tiles and odd group sizes) ----
@@ -287,6 +343,11 @@ const std::vector<Row>& kernel_table() {
        .shapes = {Shape{}},
        .layouts = {""},
        .check = ops_name_the_bad_argument,
+       .dtypes = kNoDtype},
+      {.op = "decoder_op_errors",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = decoder_ops_name_the_bad_argument,
        .dtypes = kNoDtype},
       {.op = "levels",
        .shapes = {Shape{}},

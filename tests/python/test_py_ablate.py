@@ -1,0 +1,66 @@
+"""`python -m kernmap ablate`: the C++ command's rows for any transformers causal LM — the original as transformers
+runs it (a MoE model's default experts, grouped_mm), more originals per --experts-baseline, each kernel of the model
+alone, all, and with --compile the compiled original and all — with step times, speedups, peak memory and final
+losses (the same in every row: the kernels change the time, not the training); JSON and table; under torchrun."""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kernmap.train import ablate
+
+FAST = ["--steps", "2", "--warmup", "1", "--seq-len", "16", "--batch-size", "2", "--threads", "1"]
+
+
+def run_ablate(*args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = ablate.main([str(a) for a in args])
+    return code, out.getvalue()
+
+
+def test_moe_rows_json_and_numbers():
+    code, text = run_ablate("--preset", "qwen3-moe-tiny", *FAST, "--experts-baseline", "eager,batched_mm", "--json")
+    assert code == 0
+    doc = json.loads(text)
+    assert doc["experts_implementation"] == "grouped_mm"
+    names = [r["name"] for r in doc["rows"]]
+    assert names[:3] == ["original", "original (experts eager)", "original (experts batched_mm)"]
+    assert set(names[3:-1]) == {"+RMSNorm", "+rotary_pos_emb", "+Experts", "+SiLU", "+ForCausalLMLoss"} and names[-1] == "all"
+    experts = {r["name"]: r["experts"] for r in doc["rows"]}
+    assert experts["original"] == experts["+RMSNorm"] == "grouped_mm"
+    assert experts["original (experts eager)"] == "eager" and experts["+Experts"] == experts["all"] == "kernmap"
+    first = doc["rows"][0]
+    assert first["speedup_pct"] == 0
+    for row in doc["rows"]:
+        assert len(row["seconds"]) == 2 and row["min_s"] <= row["median_s"]
+        assert row["peak_bytes"] > 0
+        assert row["final_loss"] == pytest.approx(first["final_loss"], rel=1e-5), row["name"]
+
+
+def test_dense_table_and_compile_rows():
+    code, text = run_ablate("--preset", "qwen2-tiny", *FAST, "--compile", "--compile-backend", "aot_eager")
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0].startswith("ablate qwen2-tiny (qwen2, float32)")
+    assert not any("experts" in line for line in lines[:2])  # a dense model has no experts baseline
+    header = next(i for i, line in enumerate(lines) if line.startswith("kernels"))
+    rows = [line.split("  ")[0].strip() for line in lines[header + 2:]]
+    assert rows[0] == "original" and rows[-3:] == ["all", "original+compile", "all+compile"]
+    assert "+SiluAndMul" in rows and "+RMSNorm" in rows
+
+
+def test_under_torchrun_rank_0_prints_one_document():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                          "kernmap", "ablate", "--preset", "qwen2-tiny", *FAST[:-2], "--kernels", "RMSNorm",
+                          "--parallel", "ddp", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    doc = json.loads(out.stdout)
+    assert doc["parallel"] == {"kind": "ddp", "world": 2}
+    assert [r["name"] for r in doc["rows"]] == ["original", "+RMSNorm", "all"]
