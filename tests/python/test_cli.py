@@ -78,7 +78,7 @@ def test_train_json_document(run_cli):
     assert doc["kernels"]["device"] == "cpu" and doc["kernels"]["layers"]
     assert [s["step"] for s in doc["steps"]] == [1, 2]
     for s in doc["steps"]:
-        assert list(s) == ["step", "loss", "grad_norm", "seconds", "tokens", "tokens_per_s"]
+        assert list(s) == ["step", "loss", "grad_norm", "seconds", "tokens", "tokens_per_s", "skipped"]
         assert s["loss"] > 0 and s["grad_norm"] > 0 and s["tokens"] > 0
 
 
@@ -104,7 +104,7 @@ def test_ablate_json_document(run_cli):
     assert [r["name"] for r in doc["rows"]] == ["original", "+rotary_pos_emb", "+SiluAndMul", "+RMSNorm",
                                                 "+FusedAddRMSNorm", "+ForCausalLMLoss", "all"]
     for r in doc["rows"]:
-        assert list(r) == ["name", "median_s", "p25_s", "p75_s", "speedup_pct", "min_s", "median_cpu_s",
+        assert list(r) == ["name", "experts", "median_s", "p25_s", "p75_s", "speedup_pct", "min_s", "median_cpu_s",
                            "cpu_speedup_pct", "peak_bytes", "final_loss", "seconds"]
         assert len(r["seconds"]) == 2 and isinstance(r["peak_bytes"], int) and r["peak_bytes"] > 0
 

@@ -123,12 +123,12 @@ def test_cli_plan_shows_the_mapped_kernel(files, run_cli):
     toml, js = files
     base = run_cli("plan", "--preset", "qwen2-tiny", "--mode", "inference", "--json")
     assert base.returncode == 0, base.stderr
-    assert plan_kernels(base.stdout)["model.norm"] == "kernmap/rms_norm"
+    assert plan_kernels(base.stdout)["model.layers.0.input_layernorm"] == "kernmap/rms_norm"
     for path in (toml, js):
         out = run_cli("plan", "--preset", "qwen2-tiny", "--mode", "inference", "--json", "--mapping", str(path))
         assert out.returncode == 0, out.stderr
         kernels = plan_kernels(out.stdout)
-        assert kernels["model.norm"] == "reference/rms_norm"
+        assert kernels["model.layers.0.input_layernorm"] == "reference/rms_norm"
         assert kernels["model.layers.0.mlp"] == "reference/silu_and_mul"
 
 
@@ -140,7 +140,7 @@ def test_cli_applies_mapping_files_in_order(tmp_path, files, run_cli):
                       f"--mapping={later}")
     assert out.returncode == 0, out.stderr
     kernels = plan_kernels(out.stdout)
-    assert kernels["model.norm"] == "kernmap/rms_norm"  # the later file's (RMSNorm, cpu) entry replaced the first's
+    assert kernels["model.layers.0.input_layernorm"] == "kernmap/rms_norm"  # the later file's (RMSNorm, cpu) entry replaced the first's
     assert kernels["model.layers.0.mlp"] == "reference/silu_and_mul"  # the first file's other entries stay
 
 
@@ -161,8 +161,8 @@ def test_cli_bad_mapping_file_stops_every_command_with_exit_code_2(tmp_path, com
     out = run_cli(*command, "--mapping", str(bad))
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stderr == (f"kernmap {command[0]}: {bad}:2:12: unknown kernel 'kernmap/nope' for layer 'RMSNorm' on "
-                          "device 'cpu' (training) (registered kernels of layer 'RMSNorm': kernmap/rms_norm, "
-                          "reference/rms_norm)\n")
+                          "device 'cpu' (training) (registered kernels of layer 'RMSNorm': float64/rms_norm, "
+                          "kernmap/rms_norm, reference/rms_norm)\n")
     assert out.stdout == ""
 
 

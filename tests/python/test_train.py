@@ -219,13 +219,14 @@ def test_ablate_rows_and_numbers(kernmap):
     assert rows["original"]["speedup_pct"] == 0
     # The original runs transformers' default experts implementation, as does every row without the kernel.
     assert out["experts_implementation"] == "grouped_mm"
-    assert [r["experts"] for r in out["rows"]] == ["grouped_mm", "grouped_mm", "kernmap", "kernmap"]
+    assert [r["experts"] for r in out["rows"]] == ["grouped_mm", "grouped_mm", "grouped_mm", "kernmap", "grouped_mm",
+                                                "grouped_mm", "kernmap"]
     text = kernmap("ablate", "--preset", "qwen2-tiny", "--steps", 2, "--warmup", 0, "--seq-len", 16).stdout
     assert "+SiluAndMul" in text and "speedup %" in text and "peak MiB" in text
     assert "experts" not in text  # a dense model: no experts rows or note
 
 
-def test_ablate_experts_baselines():
+def test_ablate_experts_baselines(kernmap):
     out = json.loads(kernmap("ablate", "--preset", "qwen3-moe-tiny", "--steps", 1, "--warmup", 0, "--seq-len", 16,
                              "--kernels", "Experts", "--experts-baseline", "eager,batched_mm", "--json").stdout)
     assert [(r["name"], r["experts"]) for r in out["rows"]] == [
