@@ -54,13 +54,14 @@ void check_x(const char* op, const char* arg, const Tensor& x, const Tensor& cos
               " must broadcast to ", arg, "'s shape ", x.sizes(), " (with the same last dimension)");
 }
 
-// The output for x (q, k, or their gradients): x's shape and layout, as eager's elementwise ops keep their
-// input's strides, with contiguous rows (a contiguous tensor when x's last dimension is strided). The
-// backward follows its incoming gradients' layout too: torch.compile (inductor) expects a gradient in the
-// layout of the tensor it belongs to, and the Meta function computes the same layout from the same inputs.
-Tensor empty_out(const Tensor& x, at::ScalarType dtype) {
-  Tensor y = at::empty_like(x, at::TensorOptions().dtype(dtype));
-  if (x.size(-1) <= 1 || y.stride(-1) == 1) return y;
+// The output for x, in eager's layout. Forward: x's shape and layout (eager's elementwise ops keep the
+// input's strides), with contiguous rows (a contiguous tensor when x's last dimension is strided). Backward:
+// contiguous, as eager's gradient is (it accumulates into the zero-filled gradients of rotate_half's slices).
+Tensor empty_out(const Tensor& x, at::ScalarType dtype, bool backward) {
+  if (!backward) {
+    Tensor y = at::empty_like(x, at::TensorOptions().dtype(dtype));
+    if (x.size(-1) <= 1 || y.stride(-1) == 1) return y;
+  }
   return at::empty(x.sizes(), x.options().dtype(dtype));
 }
 
@@ -119,8 +120,8 @@ std::tuple<Tensor, Tensor> rotate_cpu(const char* op, bool backward, const Tenso
   const auto [cos_u, sin_u] = check_cos_sin(op, cos, sin, dim);
   check_x(op, backward ? "grad_q_embed" : "q", q, cos_u);
   check_x(op, backward ? "grad_k_embed" : "k", k, cos_u);
-  Tensor yq = empty_out(q, out_dtype(q, cos, sin));
-  Tensor yk = empty_out(k, out_dtype(k, cos, sin));
+  Tensor yq = empty_out(q, out_dtype(q, cos, sin), backward);
+  Tensor yk = empty_out(k, out_dtype(k, cos, sin), backward);
   if (q.numel() == 0 && k.numel() == 0) return {yq, yk};
   const Walk wq = make_walk(q, cos_u, sin_u, yq);
   const Walk wk = make_walk(k, cos_u, sin_u, yk);
@@ -140,7 +141,7 @@ std::tuple<Tensor, Tensor> rotate_meta(const char* op, bool backward, const Tens
   const auto [cos_u, sin_u] = check_cos_sin(op, cos, sin, dim);
   check_x(op, backward ? "grad_q_embed" : "q", q, cos_u);
   check_x(op, backward ? "grad_k_embed" : "k", k, cos_u);
-  return {empty_out(q, out_dtype(q, cos, sin)), empty_out(k, out_dtype(k, cos, sin))};
+  return {empty_out(q, out_dtype(q, cos, sin), backward), empty_out(k, out_dtype(k, cos, sin), backward)};
 }
 
 std::tuple<Tensor, Tensor> apply_rotary_cpu(const Tensor& q, const Tensor& k, const Tensor& cos,

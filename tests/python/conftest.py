@@ -1,9 +1,15 @@
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# torch.compile's on-disk caches (inductor's FX graph cache, AOTAutograd's cache) are keyed by the graph, not by
+# the kernmap library behind its custom ops: a graph compiled against another build's Meta strides would be
+# replayed with that build's stride assertions. Every test session (and the processes it starts) compiles afresh.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernmap-tests-inductor-")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import kernmap  # noqa: F401  (registers torch.ops.kernmap)
 
