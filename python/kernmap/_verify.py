@@ -185,7 +185,7 @@ def compare(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> 
         return 0.0, atol
     g, w = got.detach().double().flatten(), want.detach().double().flatten()
     same = (g == w) | (g.isnan() & w.isnan())
-    diff = torch.where(same, torch.zeros_like(g), (g - w).abs().nan_to_num(nan=math.inf))
+    diff = torch.where(same, torch.zeros_like(g), (g - w).abs().nan_to_num(nan=math.inf, posinf=math.inf))
     allowed = atol + rtol * w.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     worst = int(torch.argmax(diff / allowed))
     return float(diff[worst]), float(allowed[worst])
