@@ -156,7 +156,7 @@ def _verified(model: nn.Module, batch: Mapping, plans: list[_Plan], rows: list[R
             out.append(replace(row, reason=f"{row.reason}; verify: not called by the sample batch"))
         else:
             layer = p.binder.layer
-            result = _verify.check(p.decision.callable(), _verify.reference_callable(layer), call, training)
+            result = _verify.check(p.decision.callable(), call, training)
             error = result.error if math.isfinite(result.error) else None
             if result.passed:
                 out.append(replace(row, error=result.error, tolerance=result.tolerance))

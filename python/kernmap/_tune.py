@@ -169,10 +169,10 @@ def _time(runs: list[Callable[[], None]], warmup: int, reps: int) -> list[float]
     return [sorted(m)[len(m) // 2] for m in ms]
 
 
-def _verified(fn: Callable, reference: Callable, calls: list[_verify.Call]) -> _verify.Check:
+def _verified(fn: Callable, calls: list[_verify.Call]) -> _verify.Check:
     worst = None
     for call in calls:
-        c = _verify.check(fn, reference, call, training=True)
+        c = _verify.check(fn, call, training=True)
         if not c.passed:
             return c
         if worst is None or c.error / c.tolerance > worst.error / worst.tolerance:
@@ -187,7 +187,6 @@ def _tune_layer(layer: str, device: str, calls: list[_verify.Call], compile: boo
         key = "x".join(map(str, call.shapes()[0])) + f" {_registry.dtype_name(call.dtype())}"
         counts[key] = counts.get(key, 0) + 1
     result = LayerResult(layer, len(calls), [f"{k} ({n})" for k, n in counts.items()], None)
-    reference = _verify.reference_callable(layer)
     timed: list[tuple[Candidate, Callable]] = []
     for descriptor, why_not in _eligible(layer, device, calls[0].dtype(), calls[0].shapes()):
         candidate = Candidate(descriptor["name"])
@@ -204,7 +203,7 @@ def _tune_layer(layer: str, device: str, calls: list[_verify.Call], compile: boo
             else:
                 compiled.verdict = "not eligible: the reference is not compile-safe"
         for c, fn in fns:
-            check = _verified(fn, reference, calls)
+            check = _verified(fn, calls)
             if check.failure is None:
                 c.error, c.tolerance = check.error, check.tolerance
             if not check.passed:
