@@ -221,15 +221,16 @@ def compare(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> 
         return 0.0, atol
     dtype = torch.float64 if torch.float64 in (got.dtype, want.dtype) else torch.float32
     g, w = got.detach().reshape(-1).to(dtype), want.detach().reshape(-1).to(dtype)
-    diff = (g - w).abs_()
-    allowed = w.abs()
-    if not (math.isfinite(float(diff.max())) and math.isfinite(float(allowed.max()))):  # max propagates NaN
+    ratio = (g - w).abs_().div_(w.abs().mul_(rtol).add_(atol))
+    if not math.isfinite(float(ratio.max())):  # max propagates NaN: some value is not finite
         same = (g == w) | (g.isnan() & w.isnan())
-        diff = diff.nan_to_num_(nan=math.inf, posinf=math.inf).masked_fill_(same, 0.0)
-        allowed = allowed.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    allowed = allowed.mul_(rtol).add_(atol)
-    worst = int(torch.argmax(diff / allowed))
-    return float(diff[worst]), float(allowed[worst])
+        ratio = ratio.nan_to_num_(nan=math.inf, posinf=math.inf).masked_fill_(same, 0.0)
+    worst = int(torch.argmax(ratio))
+    gw, ww = float(g[worst]), float(w[worst])
+    if gw == ww or (math.isnan(gw) and math.isnan(ww)):
+        return 0.0, atol + rtol * abs(ww) if math.isfinite(ww) else atol
+    diff = abs(gw - ww)
+    return (diff if math.isfinite(diff) else math.inf), atol + rtol * (abs(ww) if math.isfinite(ww) else 0.0)
 
 
 def check(kernel: Callable, call: Call, training: bool) -> Check:
