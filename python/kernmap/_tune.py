@@ -222,8 +222,8 @@ def _tune_layer(layer: str, device: str, calls: list[_verify.Call], compile: boo
         if c is best:
             c.verdict = "winner"
         elif c.kernel.endswith(COMPILED) and ratio < 1:
-            c.verdict = (f"fastest ({ratio:.2f}x of {best.kernel}) but not a registered kernel: the mapping names "
-                         f"only those; compile the model to get it")
+            c.verdict = (f"faster ({ratio:.2f}x {best.kernel}'s {best.median_ms:.3f} ms) but not a registered "
+                         f"kernel, and the mapping names only those")
         else:
             c.verdict = f"slower: {ratio:.2f}x {best.kernel}'s {best.median_ms:.3f} ms"
     return result
