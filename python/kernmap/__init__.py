@@ -32,6 +32,7 @@ from ._registry import (
 )
 from . import experts  # noqa: E402 -- registers the "kernmap" experts implementation with transformers
 from ._kernelize import KernelizeError, Report, Row, kernelize
+from ._tune import TuneResult, tune
 from . import npu  # noqa: E402 -- the NPU defaults, active only when torch_npu imports
 from ._plugins import PluginError, load_plugins, plugin_report, write_lock
 from ._plugins import load_from_env_at_import as _load_from_env_at_import
@@ -84,7 +85,7 @@ __all__ = [
     "effective_mapping", "kernelize", "kernels", "library_path", "load_mapping_file", "load_plugins", "ops",
     "plugin_report", "register_default_mapping", "register_kernel", "register_mapping", "release_cached_memory",
     "reset_cpu_memory_peak",
-    "resolve", "use_mapping",
+    "resolve", "tune", "TuneResult", "use_mapping",
     "write_lock",
 ]
 

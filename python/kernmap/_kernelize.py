@@ -5,19 +5,22 @@ math."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
 
-from . import _registry
+from . import _registry, _verify
 from .binders import BINDERS, Binder
 
 
 @dataclass(frozen=True)
 class Row:
-    """One kernelized module: where it is, the layer it bears, the kernel chosen and why."""
+    """One kernelized module: where it is, the layer it bears, the kernel chosen and why; with
+    ``kernelize(verify=...)``, the measured error of the resolved kernel against the reference at its worst
+    element and the tolerance there (None when not verified)."""
 
     path: str
     module: str  # class name
@@ -25,6 +28,8 @@ class Row:
     kernel: str
     fallback: bool
     reason: str
+    error: float | None = None
+    tolerance: float | None = None
 
 
 class Report:
@@ -54,9 +59,11 @@ class Report:
         return len(self.rows)
 
     def __str__(self) -> str:
-        header = ("module", "class", "layer", "kernel", "reason")
-        lines = [(r.path or "<model>", r.module, r.layer, r.kernel + (" (fallback)" if r.fallback else ""), r.reason)
-                 for r in self.rows]
+        verified = any(r.error is not None for r in self.rows)
+        header = ("module", "class", "layer", "kernel", *(("error / tolerance",) if verified else ()), "reason")
+        lines = [(r.path or "<model>", r.module, r.layer, r.kernel + (" (fallback)" if r.fallback else ""),
+                  *((f"{r.error:.2g} / {r.tolerance:.2g}" if r.error is not None else "-",) if verified else ()),
+                  r.reason) for r in self.rows]
         widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
 
         def fmt(cells):
@@ -135,8 +142,33 @@ def _mode_string(mode, compile: bool) -> str:  # noqa: A002 -- the public parame
     return text
 
 
+def _verified(model: nn.Module, batch: Mapping, plans: list[_Plan], rows: list[Row], training: bool) -> list[Row]:
+    """The rows after checking each resolved kernel on the module's live inputs (docs/mapping.md, "Verified and
+    tuned mappings"): a kernel off by more than the tolerance becomes a fallback with the measured error."""
+    chosen = [(p.path, p.module, p.binder) for p, row in zip(plans, rows) if not row.fallback]
+    calls = _verify.capture(model, batch, chosen, training)
+    out = []
+    for p, row in zip(plans, rows):
+        call = None if row.fallback else calls.get(p.path)
+        if row.fallback:
+            out.append(row)
+        elif call is None:
+            out.append(replace(row, reason=f"{row.reason}; verify: not called by the sample batch"))
+        else:
+            layer = p.binder.layer
+            result = _verify.check(p.decision.callable(), call, training)
+            error = result.error if math.isfinite(result.error) else None
+            if result.passed:
+                out.append(replace(row, error=result.error, tolerance=result.tolerance))
+            else:
+                out.append(replace(row, kernel=_registry._reference_name(layer), fallback=True,
+                                   reason=result.reason(), error=error if result.failure is None else None,
+                                   tolerance=result.tolerance if result.failure is None else None))
+    return out
+
+
 def kernelize(model: nn.Module, *, mode, device: str | torch.device | None = None, use_fallback: bool = True,
-              compile: bool = False) -> Report:  # noqa: A002 -- `compile` mirrors the `kernels` library
+              compile: bool = False, verify: Mapping | None = None) -> Report:  # noqa: A002 -- as `kernels`'s
     """Binds every layer-bearing module of `model` to the kernel the mapping resolves for (`device`, `mode`).
 
     Layers: modules marked by transformers with ``kernel_layer_name`` (``RMSNorm``, ``SiLU``), gated SiLU MLPs
@@ -148,7 +180,15 @@ def kernelize(model: nn.Module, *, mode, device: str | torch.device | None = Non
     mode: ``"inference"`` or ``"training"``; ``compile=True`` (or a ``"+compile"`` mode) accepts only
     compile-safe kernels. device: a torch device type; by default the model's. With ``use_fallback=False`` any
     layer without a usable kernel raises `KernelizeError` (carrying the report) and the model is left unchanged.
-    Calling kernelize again re-resolves every layer. Returns the `Report`."""
+    Calling kernelize again re-resolves every layer.
+
+    verify: a sample batch (the dict of model inputs a training step takes, labels included). The model runs it
+    once (forward; no backward, no optimizer step; parameters, gradients and the RNG state are left as they
+    were), recording each resolved module's kernel arguments; then each module's kernel and its layer's
+    reference kernel run on them, forward and, in training, backward under a fixed random upstream gradient, and
+    a kernel whose outputs or gradients differ from the reference's by more than the layer's tolerance falls
+    back: its row says ``verify: <output|grad_x> max error X > tolerance Y``. Rows carry the measured error.
+    Returns the `Report`."""
     mode_text = _mode_string(mode, compile)
     if device is None:
         first = next(model.parameters(), None)
@@ -165,6 +205,8 @@ def kernelize(model: nn.Module, *, mode, device: str | torch.device | None = Non
             change, error = _guarded("describe", p.module, lambda: p.binder.change(p.module))
             reason = "; ".join(filter(None, (reason, change, error)))
         rows.append(Row(p.path, type(p.module).__name__, p.binder.layer, kernel, fallback, reason))
+    if verify is not None:
+        rows = _verified(model, verify, plans, rows, training=mode_text.startswith("training"))
     report = Report(device, mode_text, rows)
     if not use_fallback and report.fallbacks:
         raise KernelizeError(report)
