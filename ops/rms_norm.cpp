@@ -80,7 +80,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const char* op, const a
   const int64_t elem = partial.element_size();
   const int64_t bytes = x.numel() * ((add ? 3 : 2) * x.element_size() + grad_y.element_size());
   const bool stream = stream_outputs(bytes);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  // A task takes whole blocks, at least a row grain's worth of rows: a small call runs on the calling thread
+  // instead of waking the pool for a few rows. The blocks, and so the sums, are the same whoever runs them.
+  const int64_t grain = std::max<int64_t>(1, row_grain(H) / std::max<int64_t>(1, xr.rows / blocks));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = xr.rows * b / blocks, r1 = xr.rows * (b + 1) / blocks;
       char* dw = static_cast<char*>(partial.data_ptr()) + b * H * elem;
