@@ -6,7 +6,8 @@ the SiLU-and-mul product at Qwen2-7B sizes (H 3584, I 18944), the whole gated ML
 the MoE experts layer at Qwen3-30B-A3B sizes (128 experts, top-8, H 2048, I 768) with transformers' ``eager``,
 ``grouped_mm`` and ``batched_mm`` implementations and ``kernmap``, and the LM head with transformers'
 ``ForCausalLMLoss`` at Qwen2-0.5B (H 896, V 151936) and Qwen2-7B (H 3584, V 152064) sizes, N 2048 rows, against
-kernmap's fused linear cross-entropy. Forward, and forward+backward. Token counts are sized for a 2-core machine
+kernmap's fused linear cross-entropy and against the bare matrix products every implementation computes (one
+forward, three for forward+backward: the floor of any exact one). Forward, and forward+backward. Token counts are sized for a 2-core machine
 with a few GB of free memory (``batched_mm`` gathers one weight copy per token-expert pair). Repetitions of one
 case's implementations are interleaved; medians after warm-up. Each implementation's peak extra memory is
 measured: the most CPU memory in tensors one run holds above what was live before it (kernmap's count of c10's
@@ -384,6 +385,10 @@ def linear_cross_entropy_cases(dtype: torch.dtype, scale: float,
         def fused(h, w, labels=labels):
             return torch.ops.kernmap.linear_cross_entropy(h, w, labels)
 
+        def products(h=hidden, w=weight):  # what every implementation computes, the logits standing in for their gradient
+            z = h @ w.t()
+            return z @ w, z.t() @ h
+
         impls = (("transformers", eager), ("torch.compile", compiled(eager)), ("kernmap", fused))
         e, product = hidden.element_size(), 2.0 * N * H * V
         shape = f"{name} N {N}, H {H}, V {V}"
@@ -391,9 +396,11 @@ def linear_cross_entropy_cases(dtype: torch.dtype, scale: float,
         one = torch.ones(())
         cases += [
             Case("ForCausalLMLoss", "fwd", str(dtype)[6:], shape, e * (N * H + V * H),
-                 [Impl(k, forward(f, hidden, weight)) for k, f in impls], product, reps),
+                 [*(Impl(k, forward(f, hidden, weight)) for k, f in impls),
+                  Impl("1 product", forward(lambda h, w: h @ w.t(), hidden, weight))], product, reps),
             Case("ForCausalLMLoss", "fwd+bwd", str(dtype)[6:], shape, e * (2 * N * H + 3 * V * H),
-                 [Impl(k, forward_backward(f, [hidden, weight], one)) for k, f in impls], 3 * product, reps),
+                 [*(Impl(k, forward_backward(f, [hidden, weight], one)) for k, f in impls),
+                  Impl("3 products", forward(products))], 3 * product, reps),
         ]
     return cases
 

@@ -166,9 +166,10 @@ class CausalLMLossBinder(Binder):
         problem = head_problem(module._modules["lm_head"])
         if problem:
             return problem
-        if module.loss_function is not causal_lm_loss:
-            return f"{cls}.loss_function is {getattr(module.loss_function, '__name__', module.loss_function)}, " \
-                   f"not transformers' ForCausalLMLoss"
+        loss_function = module.loss_function
+        if loss_function is not causal_lm_loss:
+            name = getattr(loss_function, "__name__", loss_function)
+            return f"{cls}.loss_function is {name}, not transformers' ForCausalLMLoss"
         forward = inspect.getattr_static(type(module), "forward", None)
         if getattr(forward, "__code__", None) is not tuple_wrapper:
             return f"{cls}.forward is not decorated with transformers' can_return_tuple"
