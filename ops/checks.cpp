@@ -104,8 +104,8 @@ namespace {
 
 // The last-level cache one core can use: the size of cpu0's L3 instance from sysfs ("32768K"), else
 // sysconf's L3 size, else 32 MiB. sysconf reports the whole socket's L3 on CPUs that split it between core
-// complexes (an EPYC Genoa VM: 320 MiB in ten 32 MiB instances), where data does not stay cached beyond the
-// thread's own instance.
+// complexes, where data does not stay cached beyond the thread's own instance (docs/performance.md,
+// "Streaming-store threshold").
 int64_t last_level_cache_bytes() {
   if (std::FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
     long kib = 0;

@@ -118,9 +118,8 @@ std::vector<Task> bcast_tiles(const std::vector<int64_t>& starts, int64_t N) {
 // all N columns; r0, r1 are rows of out[e]. A group whose reduction is long (its rows of y over
 // kShortReduction bytes: the kernel keeps partial sums of rows x N in scratch) takes tiles of rows x N <=
 // kScratchElems; a short one, computed in one pass, takes kShortReductionRows rows a task: each task packs
-// its rows of x^T and prepares each panel of y once for all of them (one thread, E128 H2048 I768 T256,
-// gate_up: fp32 166 -> 129 ms, bf16 77
-// -> 66 ms against 32-row tiles; whole 1536-row blocks about the same as 512).
+// its rows of x^T and prepares each panel of y once for all of them (docs/performance.md, "Grouped products:
+// tasks and routing").
 constexpr int64_t kShortReduction = 256 * 1024;
 constexpr int64_t kShortReductionRows = 512;
 std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t M, int64_t N,
@@ -138,10 +137,10 @@ std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t 
 
 // Runs the tasks on the intra-op threads: each thread takes the next task not yet taken, largest first by
 // cost (default rows x columns) — uneven groups and the kernels' step-wise costs made any static split leave
-// one thread waiting (measured: bf16 Experts forward+backward at T = 256, 221-223 ms static, 218-219 ms
-// dynamic). Each task writes only its own outputs, so who runs it does not change any result. One chunk per
-// thread even when there are fewer tasks, so the tasks always run inside the parallel region: a BLAS call
-// made there is single-threaded, the same as on one thread (bit-identical results).
+// one thread waiting (docs/performance.md, "Grouped products: tasks and routing"). Each task writes only its
+// own outputs, so who runs it does not change any result. One chunk per thread even when there are fewer
+// tasks, so the tasks always run inside the parallel region: a BLAS call made there is single-threaded, the
+// same as on one thread (bit-identical results).
 void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Task&)>& f,
                const std::function<int64_t(const Task&)>& cost = {}) {
   const int64_t n = static_cast<int64_t>(tasks.size());
@@ -265,10 +264,8 @@ bool backward_blas(const at::Tensor& t) {
 
 // Where the backward's operands suit the outer-product kernels (row-major grad, N-contiguous weight rows),
 // they take every fp32 and fp16 group and the bf16 groups under kBf16BlasRows rows; larger bf16 groups go to
-// BLAS, one call per group and kBlasCols columns. Measured on one thread, warm memory, grad_a + weight
-// gradient of gate_up at H2048 I768 (ms, kernels vs BLAS): 16 rows a group fp32 185+155 vs 316+250, bf16
-// 112+136 vs 164+137; 128 rows fp32 1037+1138 vs 1190+1173, bf16 719+807 vs 562+548; E60 I1408 68 rows bf16
-// 339+396 vs 295+271 (down_proj's products: the kernels win at every size).
+// BLAS, one call per group and kBlasCols columns: BLAS wins for bf16 from about 64 rows a group, the kernels
+// everywhere else (docs/performance.md, "Grouped products: tasks and routing").
 constexpr int64_t kBf16BlasRows = 64;
 bool blas_group(at::ScalarType t, int64_t rows) {
   return t == at::kBFloat16 && rows >= kBf16BlasRows;
@@ -293,8 +290,8 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
   char* po = static_cast<char*>(out.data_ptr());
   if (nt) {
     // b[e] is the transpose of an [N, K] matrix with K-contiguous rows (nn.Linear layout): gemm_nt for small
-    // groups; from kBlasRows rows on, BLAS's packed kernels amortize their packing and win (measured:
-    // bf16 at 128 rows per group, 285 ms through BLAS vs 420 ms through the dot-product kernel).
+    // groups; from kBlasRows rows on, BLAS's packed kernels amortize their packing and win
+    // (docs/performance.md, "Grouped products: tasks and routing").
     // A group of kBlasRows rows or more is one BLAS call over all its rows and columns (as the per-group loop
     // does: one packing of its rows of a, no edge tiles); smaller groups go to gemm_nt whole (all their rows)
     // in column tiles of nt_col_tile.

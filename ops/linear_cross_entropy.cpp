@@ -136,8 +136,8 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
 
   at::Tensor gh = want_gh ? at::zeros({N, H}, hidden.options()) : at::Tensor();
   // The weight gradient and the chunk buffer come from the large-block cache (ops/memory.h): a training step
-  // asks for the same sizes again, and fresh memory costs a page fault per 4 KiB (measured on the development
-  // VM: 336 MB written fresh ~500 ms, reused ~70-100 ms; a forward+backward at H 896, V 151936 takes ~10 s).
+  // asks for the same sizes again, and fresh memory costs a page fault per 4 KiB (docs/performance.md,
+  // "Large-block cache and huge pages").
   at::Tensor gw = want_gw ? empty_large({V, H}, weight.options()) : at::Tensor();
   at::Tensor gb_acc = want_gb ? at::zeros({V}, hidden.options().dtype(acc_t)) : at::Tensor();
   if (want_gw && n == 0) gw.zero_();

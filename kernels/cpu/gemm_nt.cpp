@@ -110,16 +110,17 @@ void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, i
 #if defined(__AVX512F__)
 // ---- The lanes form -------------------------------------------------------------------------------------
 
-constexpr int kLanes = 8;      // rows per accumulator register (ymm: same FMA rate as zmm on Zen 4, and a
-                               // finer step for uneven groups)
+// Rows per accumulator register: ymm, the same FMA throughput as zmm on Zen 4, and a finer step for uneven
+// groups (docs/performance.md, "gemm_nt lanes form").
+constexpr int kLanes = 8;
 constexpr int kMaxGroups = 4;  // 8-row groups per pass over B: up to 32 rows
 // Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
 // block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2.
 constexpr int kPrefetchBytes = 256;
 
 // B rows per block: 6 streams. B rows of power-of-two length fall into the same L1 set (K = 2048 fp32: 8 KiB
-// apart), so more rows than the set has ways evict each other's lines before they are used up (measured on
-// Zen 4: 12 rows ran at a quarter of the speed of 6 and 8). With G row groups, 6G accumulators.
+// apart), so more rows than the set has ways evict each other's lines before they are used up
+// (docs/performance.md, "gemm_nt lanes form"). With G row groups, 6G accumulators.
 constexpr int kBlockCols = 6;
 
 // A per-thread buffer of at least `bytes`, 64-byte aligned, kept between calls.
@@ -161,8 +162,8 @@ void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64
       for (int g = 0; g < G; ++g) acc[s][j][g] = _mm256_setzero_ps();
   int64_t d = 0;
   // The next block: when B's rows are contiguous, its NB rows are one run of memory, fetched front to back
-  // (NB lines a step) — one stream for the memory controller instead of NB (measured bf16 E128 T256 gate_up,
-  // 2 threads: 40.5-41.3 -> 38.6-39.3 ms); else each row at this step's position.
+  // (NB lines a step) — one stream for the memory controller instead of NB (docs/performance.md, "gemm_nt
+  // lanes form"); else each row at this step's position.
   const char* next = rows[0] + NB * row_bytes;
   const bool linear = depth * line_step == row_bytes;
   for (; d + 16 <= depth; d += 16) {
@@ -310,7 +311,9 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
 // dot-product blocks instead, right after the lanes blocks
 // have brought the same B rows into cache (a 16-element dot product per row costs what a whole 8-row group
 // does per element).
-constexpr int64_t kDotRows = 3;  // measured on Zen 4 (bf16): 1 to 3 rows faster this way, 4 (spilling) slower
+// Four dot-product rows spill registers and run slower than a lane group (docs/performance.md, "gemm_nt
+// lanes form").
+constexpr int64_t kDotRows = 3;
 
 template <class T>
 void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
@@ -378,8 +381,8 @@ void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_
 #else
     constexpr bool kLanesForm = std::is_same_v<T, float>;
 #endif
-    // fp16, and bf16 without the dot-product instruction, would convert B to fp32 first: measured slower than
-    // the dot-product blocks' conversion on load (1.3x at 16 rows, 3x at 1 row), so they keep those.
+    // fp16, and bf16 without the dot-product instruction, would convert B to fp32 first, slower than the
+    // dot-product blocks' conversion on load (docs/performance.md, "gemm_nt lanes form"), so they keep those.
     if constexpr (kLanesForm) {
       lanes_gemm<T>(static_cast<const T*>(A), lda, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M,
                     N, K);

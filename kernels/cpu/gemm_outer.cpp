@@ -17,16 +17,14 @@ constexpr int kBcastRows = 4;
 constexpr int kBcastVecs = 4;
 
 // Bytes of B per block of the reduction (rows of B's full-width column range): the block being computed and
-// the next one, fetched meanwhile, stay in the level-2 cache (1 MiB on the development machine) next to the
-// partial sums. The step count is a multiple of 8 (even: the paired bf16 steps never straddle two blocks).
-// Measured on one thread, fp32 grad @ W at E128 H2048 I768 with 16 rows a group: 128 KiB 189-196 ms, 256 KiB
-// 183-187 ms, 384 KiB 201 ms; 64 rows of 8 KiB (512 KiB) 209 ms.
+// the next one, fetched meanwhile, stay in a 1 MiB level-2 cache next to the partial sums
+// (docs/performance.md, "gemm_bcast reduction blocks"). The step count is a multiple of 8 (even: the paired
+// bf16 steps never straddle two blocks).
 constexpr int64_t kBlockBytes = 256 * 1024;
 
 // bf16 (dot-product instruction): a short reduction's panels (the weight gradients of small groups) are
-// interleaved once when at least this many row blocks read them. Measured on one thread at E128 H2048 I768,
-// 16 rows a group: weight gradients gate_up 92 -> 85 ms, down 39.5 -> 38 ms; interleaving the long reductions
-// of grad @ W (4 row blocks a panel) made them slower (gate_up 112 -> 119 ms, down 56 -> 59 ms), they unpack.
+// interleaved once when at least this many row blocks read them; the long reductions of grad @ W (4 row
+// blocks a panel) ran slower interleaved and unpack (docs/performance.md, "gemm_bcast reduction blocks").
 constexpr int64_t kInterleaveRowBlocks = 8;
 
 // bf16 (dot-product instruction) with A's pairs in its rows and more reduction steps than this: outer_panels.
@@ -78,8 +76,7 @@ struct Fetch {
   }
   // Inlined into the register-block loops, which otherwise call it (twice a paired step) with nothing to do.
   // Into the level-2 cache (prefetcht1): the block is read after all of this one, and filling level 1 with it
-  // evicted the panels and partial sums in use. Measured on one thread, E128 H2048 I768 T256, grad @ W
-  // gate_up and down_proj: fp32 184 -> 164 and 95 -> 80 ms, bf16 (outer_panels) 98 -> 95 and 44 -> 42 ms.
+  // evicted the panels and partial sums in use (docs/performance.md, "gemm_bcast reduction blocks").
   template <int Locality = 2>
   __attribute__((always_inline)) inline void step() {
     if (lines <= 0) return;
@@ -386,10 +383,8 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
                        int64_t ldc, int64_t M, int64_t N, int64_t P);
 
 // Columns in chunks (as even as possible) narrow enough for reduction blocks of at least kPanelMinBlock
-// steps: fewer partial-sum round trips and tile switches per step, the same sums. Measured on one thread,
-// E128 T256 bf16: gate_up (2048 columns: 64-step blocks before, now two chunks of 128-step blocks) 94-100 ->
-// 87-91 ms; 256-step blocks (512-column chunks) about the same for gate_up and slower for down_proj (768
-// columns: 42 -> 44 ms).
+// steps: fewer partial-sum round trips and tile switches per step, the same sums; 256 steps were slower for
+// down_proj (docs/performance.md, "gemm_bcast reduction blocks").
 constexpr int64_t kPanelMinBlock = 128;
 template <bool Stream>
 void outer_panels(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
@@ -539,9 +534,8 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
       // A short reduction (the weight gradients of small groups) over B rows a multiple of 4 KiB apart: those
       // rows all fall into the same sets of the level-1 cache, so the panel (pn rows x 64 columns) does not
       // stay there for the row blocks after the first. Copied to a contiguous buffer when 8 or more row
-      // blocks read it. Measured on one thread, weight gradient of gate_up at 16 rows a group: fp32 155 ->
-      // 147 ms, bf16 128 -> 109 ms; the long reductions of grad @ W (blocked, the next block prefetched) got
-      // slower (183 -> 195 ms) and are not copied.
+      // blocks read it; the long reductions of grad @ W (blocked, the next block prefetched) ran slower
+      // copied and are not (docs/performance.md, "gemm_bcast reduction blocks").
       const T* panel = B + p0 * ldb + n;
       int64_t ldp = ldb;
       if (pack_panel) {

@@ -26,6 +26,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    """Each test starts with the process's thread count: in-process align and ablate runs apply --threads to the
+    whole process, and a later test's result may depend on it (test_rotary's inductor expected failure passes
+    with one thread)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def run_cli():
     """Runs the built `kernmap` command (scripts/kernmap ARGS...) and returns the finished process: returncode,

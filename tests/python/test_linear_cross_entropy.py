@@ -6,20 +6,10 @@ torch.compile, and bad input. The reference kernel is checked against transforme
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import linear_cross_entropy_tol
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 ops = torch.ops.kernmap
-
-# Loss and gradient tolerances against transformers. fp32: only summation order differs. bf16/fp16: the logits
-# are the same products rounded alike, but one chunk's product may round an element of the logits or of a
-# gradient product one unit differently from the whole product; and the weight gradient of several chunks is
-# rounded to the weight dtype once per chunk (transformers rounds its single product once), so it gets a wider
-# tolerance (docs/ops.md, "Fused linear cross-entropy").
-TOL = {
-    torch.float32: dict(loss=1e-5, grad=1e-5, weight_grad=1e-5),
-    torch.bfloat16: dict(loss=1e-3, grad=8e-3, weight_grad=2e-2),
-    torch.float16: dict(loss=1e-3, grad=2e-3, weight_grad=4e-3),
-}
 
 
 def make(n, h, v, dtype, bias=False, ignore=(), seed=0):
@@ -58,7 +48,7 @@ def rel_err(got, want):
 
 
 def check_against_transformers(fn, dtype, hidden, weight, bias, labels, **kwargs):
-    tol = TOL[dtype]
+    tol = linear_cross_entropy_tol(dtype)
     want, want_grads = loss_and_grads(transformers_loss, hidden, weight, bias, labels, **kwargs)
     got, got_grads = loss_and_grads(fn, hidden, weight, bias, labels, **kwargs)
     assert got.dtype == torch.float32 and got.shape == ()
@@ -111,7 +101,7 @@ def test_num_items_in_batch(chunk_rows, dtype, num_items):
         check_against_transformers(fn, dtype, hidden, weight, bias, labels, num_items_in_batch=num_items.reshape(()))
     got = kernmap_loss(hidden, weight, bias, labels, num_items_in_batch=num_items)  # one element, any shape
     want = transformers_loss(hidden, weight, bias, labels, num_items_in_batch=num_items.reshape(()))
-    assert got.shape == () and abs(got.item() - want.item()) <= TOL[dtype]["loss"] * abs(want.item())
+    assert got.shape == () and abs(got.item() - want.item()) <= linear_cross_entropy_tol(dtype)["loss"] * abs(want.item())
 
 
 @pytest.mark.parametrize("fn", [kernmap_loss, reference_loss], ids=["kernmap", "reference"])

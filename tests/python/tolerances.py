@@ -22,6 +22,13 @@ def loss_tol(dtype: torch.dtype) -> dict:
     return dict(TABLE["loss"][_NAMES[dtype]])
 
 
+def linear_cross_entropy_tol(dtype: torch.dtype) -> dict:
+    """The fused linear cross-entropy's figures against its reference: loss, grad (hidden, bias) and weight_grad,
+    each a fraction of the largest |reference| of that result."""
+    figures = TABLE["linear_cross_entropy"][_NAMES[dtype]]
+    return {name: figures[name] for name in ("loss", "grad", "weight_grad")}
+
+
 def model_gradient_bound(dtype: torch.dtype, largest: float) -> float:
     """The largest |difference| allowed in a bf16 or fp16 model gradient tensor whose largest magnitude is `largest`."""
     return TABLE["gradients_of_a_model"][_NAMES[dtype]]["max_fraction"] * largest

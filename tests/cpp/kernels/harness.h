@@ -77,6 +77,17 @@ Tolerance tolerance(at::ScalarType dtype, int64_t terms = 1);
 /// got and want hold the same bits (NaN payloads and signed zeros included).
 ::testing::AssertionResult same_bits(const at::Tensor& got, const at::Tensor& want);
 
+/// tests/tolerances.json's "linear_cross_entropy" figures for inputs of `dtype`: fractions of the largest
+/// |reference| of each result (row_loss: of each row's own loss).
+struct LossTolerance {
+  double loss, grad, weight_grad, row_loss, row_grad;
+};
+LossTolerance linear_cross_entropy_tolerance(at::ScalarType dtype);
+/// got and want have the same dtype and shape and max |got - want| <= fraction * max |want| (NaN in got
+/// fails). The failure names the worst element.
+::testing::AssertionResult within_fraction_of_largest(const at::Tensor& got, const at::Tensor& want,
+                                                      double fraction);
+
 // ---- the common check: a kernmap op against its reference (reference_check.cpp) ---------------------------
 
 /// The outputs of an op: one tensor, or the two of an op that returns a pair (add_rms_norm's normed output

@@ -338,6 +338,20 @@ const std::vector<Row>& kernel_table() {
        .shapes = {{.sizes = {{"T", 37}, {"H", 67}, {"E", 5}, {"I", 24}, {"k", 3}}}},
        .layouts = {""},
        .check = experts_same_bits_at_any_thread_count},
+      // ---- the fused LM-head product and cross-entropy ----
+      // One element; several chunks of rows (16 and 5 rows a chunk); a vocabulary under one vector (7).
+      {.op = "linear_cross_entropy",
+       .shapes = {{.sizes = {{"N", 1}, {"H", 1}, {"V", 1}, {"chunk", 256}}},
+                  {.sizes = {{"N", 37}, {"H", 19}, {"V", 101}, {"chunk", 256}}},
+                  {.sizes = {{"N", 203}, {"H", 33}, {"V", 517}, {"chunk", 16}}},
+                  {.sizes = {{"N", 64}, {"H", 8}, {"V", 7}, {"chunk", 5}}}},
+       .layouts = {"no_bias", "bias"},
+       .check = linear_cross_entropy_matches_reference},
+      // Its row kernel over 203 logits: no block width divides it.
+      {.op = "cross_entropy_rows",
+       .shapes = grid({{"V", {203}}}),
+       .layouts = {""},
+       .check = cross_entropy_rows_match_float64_math},
       // ---- the ops' errors, the levels, the harness ----
       {.op = "op_errors",
        .shapes = {Shape{}},

@@ -43,6 +43,33 @@ Tolerance tolerance(at::ScalarType dtype, int64_t terms) {
   return {figures.at("rtol").get<double>(), figures.at("atol").get<double>() * growth};
 }
 
+LossTolerance linear_cross_entropy_tolerance(at::ScalarType dtype) {
+  const nlohmann::json& figures = table().at("linear_cross_entropy").at(json_name(dtype));
+  return {figures.at("loss").get<double>(), figures.at("grad").get<double>(),
+          figures.at("weight_grad").get<double>(), figures.at("row_loss").get<double>(),
+          figures.at("row_grad").get<double>()};
+}
+
+::testing::AssertionResult within_fraction_of_largest(const at::Tensor& got, const at::Tensor& want,
+                                                      double fraction) {
+  if (got.scalar_type() != want.scalar_type())
+    return ::testing::AssertionFailure() << "dtype " << got.scalar_type() << " != " << want.scalar_type();
+  if (got.sizes() != want.sizes())
+    return ::testing::AssertionFailure() << "shape " << got.sizes() << " != " << want.sizes();
+  if (got.numel() == 0) return ::testing::AssertionSuccess();
+  const at::Tensor g = got.to(at::kDouble).reshape(-1), w = want.to(at::kDouble).reshape(-1);
+  const double largest = w.abs().max().item<double>();
+  // NaN anywhere in got is the largest error.
+  const at::Tensor err = (g - w).abs().nan_to_num(INFINITY);
+  const int64_t worst = err.argmax().item<int64_t>();
+  const double allowed = fraction * largest;
+  if (err[worst].item<double>() <= allowed) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "max |got - want| " << err[worst].item<double>() << " over " << allowed << " (" << fraction
+         << " of the largest |want|, " << largest << ") at flat [" << worst << "]: got "
+         << g[worst].item<double>() << ", want " << w[worst].item<double>();
+}
+
 ::testing::AssertionResult close(const at::Tensor& got, const at::Tensor& want, Tolerance tol) {
   if (got.scalar_type() != want.scalar_type())
     return ::testing::AssertionFailure() << "dtype " << got.scalar_type() << " != " << want.scalar_type();
