@@ -29,8 +29,8 @@ def _seed():
 @pytest.fixture(autouse=True)
 def _threads():
     """Each test starts with the process's thread count: in-process align and ablate runs apply --threads to the
-    whole process, and a later test's result may depend on it (test_rotary's inductor expected failure passes
-    with one thread)."""
+    whole process, and a later test would run on one thread (and compile for one: inductor's cached graphs are
+    per thread count)."""
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
