@@ -106,29 +106,42 @@ def test_the_compiled_reference_is_a_candidate():
     assert not any(k.endswith("(torch.compile)") for k in result.winners.values())
 
 
+def _python(script, *args):
+    """Runs `script` in a new Python process (this directory on its path) and returns its last line's JSON."""
+    out = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]);" + script,
+                          os.path.dirname(__file__), *map(str, args)], check=True, capture_output=True, text=True,
+                         env=os.environ).stdout
+    return json.loads(out.splitlines()[-1])
+
+
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
 def test_the_mapping_file_reproduces_the_choice_in_a_new_process(suffix, tmp_path):
+    """Tuned in a process that has only the built-in kernels (this one holds every test file's registrations,
+    which tune would rightly time too), loaded in another."""
     path = tmp_path / f"tuned{suffix}"
-    result = kernmap.tune(make_model("qwen3_moe"), sample(), path, **FAST)
-    assert all(k.startswith(BUILTIN) for k in result.winners.values())  # loadable in a process without our kernels
-    assert result.path == path and result.table_path == tmp_path / "tuned.tune.json"
-    table = json.loads(result.table_path.read_text())
-    assert table["mapping"] == result.mapping and table["machine"]["torch"] == torch.__version__
-    assert {r["layer"] for r in table["layers"]} == set(result.winners)
+    result = _python(
+        "import json; import torch, kernmap; from hf_models import batch, make_model; ids = batch(1);"
+        "r = kernmap.tune(make_model('qwen3_moe'), {'input_ids': ids, 'labels': ids}, sys.argv[2], compile=False,"
+        " warmup=1, reps=3);"
+        "print(json.dumps({'winners': r.winners, 'mapping': r.mapping, 'path': str(r.path),"
+        " 'table_path': str(r.table_path), 'candidates': [c.kernel for l in r.layers for c in l.candidates]}))",
+        path)
+    assert all(k.startswith(BUILTIN) for k in result["winners"].values())
+    assert result["path"] == str(path) and result["table_path"] == str(tmp_path / "tuned.tune.json")
+    table = json.loads((tmp_path / "tuned.tune.json").read_text())
+    assert table["mapping"] == result["mapping"] and table["machine"]["torch"] == torch.__version__
+    assert {r["layer"] for r in table["layers"]} == set(result["winners"])
     if suffix == ".toml":
         text = path.read_text()
         assert text.startswith("# kernmap tune") and f"torch {torch.__version__}" in text
-        assert all(f"#   {c.kernel}: " in text for r in result.layers for c in r.candidates)
-    script = ("import json, sys; sys.path.insert(0, sys.argv[2]); import kernmap; from hf_models import make_model;"
-              "kernmap.register_mapping(sys.argv[1]);"
-              "report = kernmap.kernelize(make_model('qwen3_moe'), mode='training');"
-              "print(json.dumps({'file': kernmap.load_mapping_file(sys.argv[1]),"
-              "'bound': sorted({(r.layer, r.kernel) for r in report.rows if r.layer != 'SiLU'})}))")
-    out = subprocess.run([sys.executable, "-c", script, str(path), os.path.dirname(__file__)], check=True,
-                         capture_output=True, text=True, env=os.environ).stdout
-    doc = json.loads(out.splitlines()[-1])
-    assert doc["file"] == result.mapping
-    assert doc["bound"] == sorted([layer, kernel] for layer, kernel in result.winners.items())
+        assert all(f"#   {kernel}: " in text for kernel in result["candidates"])
+    doc = _python(
+        "import json; import kernmap; from hf_models import make_model; kernmap.register_mapping(sys.argv[2]);"
+        "report = kernmap.kernelize(make_model('qwen3_moe'), mode='training');"
+        "print(json.dumps({'file': kernmap.load_mapping_file(sys.argv[2]),"
+        " 'bound': sorted({(r.layer, r.kernel) for r in report.rows if r.layer != 'SiLU'})}))", path)
+    assert doc["file"] == result["mapping"]
+    assert doc["bound"] == sorted([layer, kernel] for layer, kernel in result["winners"].items())
 
 
 def test_a_path_of_another_format_is_refused(tmp_path):
