@@ -102,11 +102,7 @@ int64_t row_grain(int64_t cols) {
 
 namespace {
 
-// The last-level cache one core can use: the size of cpu0's L3 instance from sysfs ("32768K"), else
-// sysconf's L3 size, else 32 MiB. sysconf reports the whole socket's L3 on CPUs that split it between core
-// complexes, where data does not stay cached beyond the thread's own instance (docs/performance.md,
-// "Streaming-store threshold").
-int64_t last_level_cache_bytes() {
+int64_t read_last_level_cache_bytes() {
   if (std::FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
     long kib = 0;
     char unit = 0;
@@ -120,9 +116,15 @@ int64_t last_level_cache_bytes() {
 
 }  // namespace
 
+// sysconf reports the whole socket's L3 on CPUs that split it between core complexes, where data does not
+// stay cached beyond the thread's own instance (docs/performance.md, "Streaming-store threshold").
+int64_t last_level_cache_bytes() {
+  static const int64_t bytes = read_last_level_cache_bytes();
+  return bytes;
+}
+
 bool stream_outputs(int64_t bytes) {
-  static const int64_t llc = last_level_cache_bytes();
-  return bytes > llc;
+  return bytes > last_level_cache_bytes();
 }
 
 }  // namespace kernmap::ops

@@ -11,8 +11,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cstdlib>
@@ -95,7 +93,7 @@ Targets targets_of(const at::Tensor& labels, int64_t ignore_index, int64_t V) {
 }
 
 // Rows per chunk (docs/ops.md, "Fused linear cross-entropy"): as many as the last-level cache holds in
-// logits, L3 / (V x element size) with sysconf's L3 size (32 MiB where it reports none), and at least 256:
+// logits, last-level cache / (V x element size) (the streaming threshold's cache size), and at least 256:
 // with fewer the products stream the weight and its gradient from memory once a chunk for too little
 // arithmetic. KERNMAP_LCE_CHUNK_ROWS sets it (tests, tuning).
 int64_t chunk_rows(int64_t V, int64_t element_size) {
@@ -106,11 +104,7 @@ int64_t chunk_rows(int64_t V, int64_t element_size) {
                 "kernmap: KERNMAP_LCE_CHUNK_ROWS must be a whole number of rows >= 1, got '", v, "'");
     return rows;
   }
-  static const int64_t llc = [] {
-    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    return l3 > 0 ? static_cast<int64_t>(l3) : int64_t{32} << 20;
-  }();
-  return std::max<int64_t>(256, llc / (V * element_size));
+  return std::max<int64_t>(256, last_level_cache_bytes() / (V * element_size));
 }
 
 Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
