@@ -158,15 +158,12 @@ def _step(fn: Callable, calls: list[_verify.Call]) -> Callable[[], None]:
 
 
 def _time(runs: list[Callable[[], None]], warmup: int, reps: int) -> list[float]:
-    """Median milliseconds of each run, the runs interleaved (as `python -m kernmap.bench` times)."""
-    ms: list[list[float]] = [[] for _ in runs]
-    for r in range(warmup + reps):
-        for i, fn in enumerate(runs):
-            t0 = time.perf_counter()
-            fn()
-            if r >= warmup:
-                ms[i].append((time.perf_counter() - t0) * 1e3)
-    return [sorted(m)[len(m) // 2] for m in ms]
+    """Median milliseconds of each run, the runs interleaved: `python -m kernmap.bench`'s timing, memory uncounted."""
+    from . import bench
+
+    timings = bench.time_interleaved([bench.Impl(str(i), fn) for i, fn in enumerate(runs)], warmup, reps,
+                                     memory=False)
+    return [t.median_ms for t in timings]
 
 
 def _verified(fn: Callable, calls: list[_verify.Call]) -> _verify.Check:

@@ -69,22 +69,25 @@ def keep_freed_memory() -> None:
         pass
 
 
-def time_interleaved(impls: list[Impl], warmup: int, reps: int) -> list[Timing]:
+def time_interleaved(impls: list[Impl], warmup: int, reps: int, memory: bool = True) -> list[Timing]:
     """Medians after warm-up, the implementations' runs interleaved; the largest peak extra memory of the timed
     runs, as `kernmap bench ops` counts it (after warm-up: torch.compile's first run holds its compiler's
-    tensors)."""
-    kernmap.count_cpu_memory()
+    tensors). memory=False leaves CPU memory uncounted (peak_bytes 0), as kernmap.tune times."""
+    if memory:
+        kernmap.count_cpu_memory()
     ms: list[list[float]] = [[] for _ in impls]
     peak = [0.0] * len(impls)
     for r in range(warmup + reps):
         for i, impl in enumerate(impls):
-            kernmap.reset_cpu_memory_peak()
-            before = kernmap.cpu_memory()["in_use"]
+            if memory:
+                kernmap.reset_cpu_memory_peak()
+                before = kernmap.cpu_memory()["in_use"]
             t0 = time.perf_counter()
             impl.run()
             t1 = time.perf_counter()
             if r >= warmup:
-                peak[i] = max(peak[i], kernmap.cpu_memory()["peak"] - before)
+                if memory:
+                    peak[i] = max(peak[i], kernmap.cpu_memory()["peak"] - before)
                 ms[i].append((t1 - t0) * 1e3)
     out = []
     for m, p in zip(ms, peak):

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <stdexcept>
 
 #include "tests/cpp/kernels/harness.h"
@@ -50,13 +51,24 @@ LossTolerance linear_cross_entropy_tolerance(at::ScalarType dtype) {
           figures.at("row_grad").get<double>()};
 }
 
-::testing::AssertionResult within_fraction_of_largest(const at::Tensor& got, const at::Tensor& want,
-                                                      double fraction) {
+namespace {
+
+// A failure when got and want differ in dtype or shape, a success when both are empty; nothing to say
+// otherwise.
+std::optional<::testing::AssertionResult> metadata_differs(const at::Tensor& got, const at::Tensor& want) {
   if (got.scalar_type() != want.scalar_type())
     return ::testing::AssertionFailure() << "dtype " << got.scalar_type() << " != " << want.scalar_type();
   if (got.sizes() != want.sizes())
     return ::testing::AssertionFailure() << "shape " << got.sizes() << " != " << want.sizes();
   if (got.numel() == 0) return ::testing::AssertionSuccess();
+  return std::nullopt;
+}
+
+}  // namespace
+
+::testing::AssertionResult within_fraction_of_largest(const at::Tensor& got, const at::Tensor& want,
+                                                      double fraction) {
+  if (auto differ = metadata_differs(got, want)) return *differ;
   const at::Tensor g = got.to(at::kDouble).reshape(-1), w = want.to(at::kDouble).reshape(-1);
   const double largest = w.abs().max().item<double>();
   // NaN anywhere in got is the largest error.
@@ -71,11 +83,7 @@ LossTolerance linear_cross_entropy_tolerance(at::ScalarType dtype) {
 }
 
 ::testing::AssertionResult close(const at::Tensor& got, const at::Tensor& want, Tolerance tol) {
-  if (got.scalar_type() != want.scalar_type())
-    return ::testing::AssertionFailure() << "dtype " << got.scalar_type() << " != " << want.scalar_type();
-  if (got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << "shape " << got.sizes() << " != " << want.sizes();
-  if (got.numel() == 0) return ::testing::AssertionSuccess();
+  if (auto differ = metadata_differs(got, want)) return *differ;
   const at::Tensor g = got.to(at::kDouble).reshape(-1), w = want.to(at::kDouble).reshape(-1);
   const at::Tensor err = (g - w).abs();
   // Equal values are close (infinities of one sign included); NaN is close to nothing.
