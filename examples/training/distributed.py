@@ -33,4 +33,5 @@ for step in range(4):
     dist.all_reduce(total := loss.detach().clone())
     if rank == 0:
         print("step", step + 1, "mean loss", total.item() / world, f"({len(report.replaced)} layers on kernmap)")
+dist.barrier()  # no process leaves while another has collectives in flight
 dist.destroy_process_group()

@@ -31,7 +31,8 @@ def checkpoints(tmp_path_factory):
 
 def torchrun(*args, nproc=2, timeout=600):
     """`python -m kernmap ARGS` under torchrun with `nproc` processes on this machine."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # faulthandler: a process that aborts prints every thread's Python stack (which call it died in).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            "-m", "kernmap", *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=timeout)
@@ -59,7 +60,7 @@ def assert_same_steps(got, want, what):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_two_processes_equal_the_unkernelized_run_and_one_process(parallel, family, checkpoints):
     out = torchrun("align", "--model", checkpoints / family, *ARGS, "--parallel", parallel, "--json")
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     doc = json.loads(out.stdout)  # one document: rank 0 alone prints
     assert doc["passed"], doc["verdict"]
     assert doc["parallel"] == {"kind": parallel, "world": 2}

@@ -29,8 +29,9 @@ def checkpoint(tmp_path_factory):
 
 def run(*command, env=None):
     out = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), cwd=EXAMPLES)
-    assert out.returncode == 0, out.stderr[-4000:]
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **(env or {})),
+                         cwd=EXAMPLES)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     return out.stdout
 
 

@@ -133,6 +133,7 @@ def print_human(session: Session, rows: list[Row]) -> None:
 
 def main(argv: list[str]) -> int:
     args = options.parse("ablate", argv)
+    finished = False
     try:
         session = open_session(args)
         rows = ablate(session)
@@ -140,6 +141,7 @@ def main(argv: list[str]) -> int:
             session.say(json_document(to_json(session, rows)))
         else:
             print_human(session, rows)
+        finished = True
         return 0
     except UsageError as e:
         sys.stderr.write(f"kernmap ablate: {e}\n")
@@ -148,4 +150,4 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"kernmap ablate: {e}\n")
         return 1
     finally:
-        distributed.stop()
+        distributed.stop(finished)

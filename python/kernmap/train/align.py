@@ -146,6 +146,7 @@ def print_human(session: Session, result: AlignResult) -> None:
 
 def main(argv: list[str]) -> int:
     args = options.parse("align", argv)
+    finished = False
     try:
         session = open_session(args)
         result = align(session)
@@ -153,6 +154,7 @@ def main(argv: list[str]) -> int:
             session.say(json_document(to_json(session, result)))
         else:
             print_human(session, result)
+        finished = True
         return 0 if result.passed else 1
     except UsageError as e:
         sys.stderr.write(f"kernmap align: {e}\n")
@@ -161,4 +163,4 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"kernmap align: {e}\n")
         return 1
     finally:
-        distributed.stop()
+        distributed.stop(finished)

@@ -98,9 +98,14 @@ def start(kind: str, batch_size: int, device: str) -> Parallel:
     return parallel
 
 
-def stop() -> None:
-    """Leaves the process group, if one was joined."""
+def stop(finished: bool = True) -> None:
+    """Leaves the process group, if one was joined. A run that finished waits at a barrier first, so that no
+    process tears its group down while another still has collectives in flight on it (the last reductions of
+    DDP and FSDP2 run on gloo's worker threads); one that failed leaves at once, since the others may never
+    reach the barrier."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
