@@ -288,6 +288,8 @@ int align_command(const RunArgs& r) {
   if (r.json) {
     Json noise_kernels = Json::object();  // layer -> the kernel the noise run bound (its float64 kernel)
     for (const ReportEntry& e : res.noise_report.entries) noise_kernels[e.layer] = e.kernel;
+    Json noise_alone = Json::object();  // layer -> the steps of its own noise run (a model with experts)
+    for (const auto& [layer, logs] : res.noise_alone) noise_alone[layer] = steps_json(logs);
     print_json({{"model", r.model_name()},
                 {"passed", res.passed},
                 {"rtol", res.rtol},
@@ -304,6 +306,7 @@ int align_command(const RunArgs& r) {
                   {"grad_norm", metric_json(v.grad_norm)}}},
                 {"original", steps_json(res.original)},
                 {"noise", steps_json(res.noise)},
+                {"noise_alone", noise_alone},
                 {"kernelized", steps_json(res.kernelized)}});
     return res.passed ? 0 : 1;
   }

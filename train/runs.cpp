@@ -65,6 +65,15 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
   Baseline noise_kernels;
   for (const std::string& layer : layers)
     if (const KernelDescriptor* k = float64_kernel(layer)) noise_kernels[layer] = k->name;
+  // A model that routes tokens: one more noise run per selected layer it has, that layer alone on its float64
+  // kernel.
+  std::vector<std::string> alone;
+  const std::vector<std::string> present = layers_of(*make_model());
+  for (const std::string& layer : present)
+    if (noise_kernels.count(layer)) alone.push_back(layer);
+  if (alone.size() < 2 || std::find(present.begin(), present.end(), "Experts") == present.end())
+    alone.clear();
+  const int64_t total = static_cast<int64_t>(3 + alone.size()) * steps;
   int64_t done = 0;
   auto run = [&](const std::function<Report(CausalLM&)>& bind, std::vector<StepLog>& logs) {
     auto model = make_model();
@@ -72,14 +81,20 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
     Trainer trainer(model, data, options);
     for (int64_t s = 0; s < steps; ++s) {
       logs.push_back(trainer.step());
-      if (progress) progress(++done, 3 * steps);
+      if (progress) progress(++done, total);
     }
     return report;
   };
   run([](CausalLM& m) { return restore_reference(m); }, result.original);
   result.noise_report = run([&](CausalLM& m) { return bind_kernels(m, {}, noise_kernels); }, result.noise);
+  for (const std::string& layer : alone) {
+    const Baseline one{{layer, noise_kernels.at(layer)}};
+    run([&](CausalLM& m) { return bind_kernels(m, {}, one); }, result.noise_alone[layer]);
+  }
   result.report = run([&](CausalLM& m) { return bind_kernels(m, layers); }, result.kernelized);
-  result.verdict = judge(result.original, result.kernelized, result.noise, rtol);
+  std::vector<std::vector<StepLog>> noise_runs{result.noise};
+  for (const auto& entry : result.noise_alone) noise_runs.push_back(entry.second);
+  result.verdict = judge(result.original, result.kernelized, noise_runs, rtol);
   result.max_loss_rel = result.verdict.loss.max_diff;
   result.max_grad_norm_rel = result.verdict.grad_norm.max_diff;
   result.worst_loss_step = result.verdict.loss.max_diff_step;

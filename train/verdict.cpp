@@ -23,19 +23,30 @@ double rel_diff(double value, double original) {
 }
 
 MetricVerdict judge_metric(const std::vector<double>& original, const std::vector<double>& kernelized,
-                           const std::vector<double>& noise_run, double rtol, double noise_factor) {
-  if (original.size() != kernelized.size() || original.size() != noise_run.size())
+                           const std::vector<std::vector<double>>& noise_runs, double rtol,
+                           double noise_factor) {
+  // The noise length named is the first that differs from the original's (the first run's when none does).
+  size_t noise_steps = noise_runs.empty() ? original.size() : noise_runs.front().size();
+  for (const auto& run : noise_runs)
+    if (run.size() != original.size()) {
+      noise_steps = run.size();
+      break;
+    }
+  if (kernelized.size() != original.size() || noise_steps != original.size())
     throw std::invalid_argument("judge: the runs must have the same number of steps, got original " +
                                 std::to_string(original.size()) + ", kernelized " +
-                                std::to_string(kernelized.size()) + ", noise " +
-                                std::to_string(noise_run.size()));
+                                std::to_string(kernelized.size()) + ", noise " + std::to_string(noise_steps));
   MetricVerdict v;
   double running = 0;
   for (size_t s = 0; s < original.size(); ++s) {
     v.diff.push_back(rel_diff(kernelized[s], original[s]));
-    const double n = rel_diff(noise_run[s], original[s]);
-    v.noise.push_back(std::isfinite(n) ? n : 0.0);  // a broken noise run cannot widen the tolerance
-    running = std::max(running, v.noise.back());
+    double noise = 0;
+    for (const auto& run : noise_runs) {
+      const double n = rel_diff(run[s], original[s]);
+      if (std::isfinite(n)) noise = std::max(noise, n);  // a broken noise run cannot widen the tolerance
+    }
+    v.noise.push_back(noise);
+    running = std::max(running, noise);
     v.floor.push_back(running);
     v.tolerance.push_back(std::max(rtol, noise_factor * running));
   }
@@ -59,19 +70,24 @@ MetricVerdict judge_metric(const std::vector<double>& original, const std::vecto
 }
 
 Verdict judge(const std::vector<StepLog>& original, const std::vector<StepLog>& kernelized,
-              const std::vector<StepLog>& noise_run, double rtol, double noise_factor) {
+              const std::vector<std::vector<StepLog>>& noise_runs, double rtol, double noise_factor) {
   auto series = [](const std::vector<StepLog>& logs, double StepLog::*field) {
     std::vector<double> out;
     for (const StepLog& s : logs) out.push_back(s.*field);
+    return out;
+  };
+  auto noise_series = [&](double StepLog::*field) {
+    std::vector<std::vector<double>> out;
+    for (const auto& run : noise_runs) out.push_back(series(run, field));
     return out;
   };
   Verdict v;
   v.rtol = rtol;
   v.noise_factor = noise_factor;
   v.loss = judge_metric(series(original, &StepLog::loss), series(kernelized, &StepLog::loss),
-                        series(noise_run, &StepLog::loss), rtol, noise_factor);
+                        noise_series(&StepLog::loss), rtol, noise_factor);
   v.grad_norm = judge_metric(series(original, &StepLog::grad_norm), series(kernelized, &StepLog::grad_norm),
-                             series(noise_run, &StepLog::grad_norm), rtol, noise_factor);
+                             noise_series(&StepLog::grad_norm), rtol, noise_factor);
   v.passed = v.loss.passed && v.grad_norm.passed;
   return v;
 }

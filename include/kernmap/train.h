@@ -214,9 +214,9 @@ KERNMAP_API double rel_diff(double value, double original);
 constexpr double kNoiseFactor = 10.0;
 
 /// One metric's verdict, per step s (0-based here, 1-based in the steps named):
-/// diff = rel_diff(kernelized, original); noise = rel_diff(noise run, original), 0 when not finite;
-/// floor = the largest noise up to s; tolerance = max(rtol, noise_factor * floor). Passed when every diff is
-/// within its tolerance (a non-finite diff never is).
+/// diff = rel_diff(kernelized, original); noise = the largest rel_diff(noise run, original) over the noise
+/// runs, each 0 when not finite; floor = the largest noise up to s; tolerance = max(rtol, noise_factor *
+/// floor). Passed when every diff is within its tolerance (a non-finite diff never is).
 struct KERNMAP_API MetricVerdict {
   std::vector<double> diff, noise, floor, tolerance;
   double max_diff = 0;        ///< the largest diff
@@ -233,29 +233,33 @@ struct KERNMAP_API Verdict {
 /// Throws std::invalid_argument when the series differ in length.
 KERNMAP_API MetricVerdict judge_metric(const std::vector<double>& original,
                                        const std::vector<double>& kernelized,
-                                       const std::vector<double>& noise_run, double rtol,
+                                       const std::vector<std::vector<double>>& noise_runs, double rtol,
                                        double noise_factor = kNoiseFactor);
 KERNMAP_API Verdict judge(const std::vector<StepLog>& original, const std::vector<StepLog>& kernelized,
-                          const std::vector<StepLog>& noise_run, double rtol,
+                          const std::vector<std::vector<StepLog>>& noise_runs, double rtol,
                           double noise_factor = kNoiseFactor);
 
-/// What align's noise run is, in the words both commands print.
+/// What align's noise runs are, in the words both commands print.
 inline constexpr const char* kNoiseRun =
     "the original with the selected layers on their float64 kernels (the reference's math from float64, "
-    "rounded "
-    "where it rounds)";
+    "rounded where it rounds), and in a model that routes tokens to experts each selected layer alone on its "
+    "float64 kernel too; the largest drift of these runs";
 
 /// The float64 kernel of a layer (provider "float64": the reference's math from float64, rounded where the
 /// reference rounds), or nullptr when the layer has none.
 KERNMAP_API const KernelDescriptor* float64_kernel(const std::string& layer);
 
 /// Original (all references) and kernelized runs of the same model, data and seed, step by step, and the
-/// noise run: the original with every selected layer on its float64 kernel, a correct kernel whose rounding
+/// noise runs: the original with every selected layer on its float64 kernel, a correct kernel whose rounding
 /// differs from the reference's where the kernels' does, so it drifts from the original as correct arithmetic
-/// drifts on this machine and this model (docs/training.md, "The verdict"). The runs train one after another,
-/// so one model is held at a time.
+/// drifts on this machine and this model (docs/training.md, "The verdict"). A model that routes tokens to
+/// experts gets one more noise run per selected layer (when more than one is selected), that layer alone on
+/// its float64 kernel: a router's near-tie flips on one rounding and not another, so one run samples that
+/// drift once and can miss it. The runs train one after another, so one model is held at a time.
 struct KERNMAP_API AlignResult {
   std::vector<StepLog> original, kernelized, noise;
+  /// The per-layer noise runs (layer -> its steps); empty for a model without experts.
+  std::map<std::string, std::vector<StepLog>> noise_alone;
   Report report;        ///< the kernelized run's binding
   Report noise_report;  ///< the noise run's binding: every selected layer on its float64 kernel
   Verdict verdict;

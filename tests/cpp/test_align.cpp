@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/library.h>
 
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -79,6 +80,12 @@ TEST_P(AlignEverywhere, CorrectKernelsPassOnEveryPreset) {
     // The floor covers every layer: the noise run has each on its float64 kernel.
     for (const kernmap::ReportEntry& e : res.noise_report.entries)
       EXPECT_EQ(e.kernel.rfind("float64/", 0), 0u) << preset << " " << e.path << " runs " << e.kernel;
+    // A model that routes tokens also gets a noise run per layer, that layer alone on its float64 kernel.
+    const bool moe = preset.find("moe") != std::string::npos;
+    std::set<std::string> layers;
+    for (const kernmap::ReportEntry& e : res.noise_report.entries) layers.insert(e.layer);
+    EXPECT_EQ(res.noise_alone.size(), moe ? layers.size() : 0u) << preset;
+    for (const auto& [layer, logs] : res.noise_alone) EXPECT_EQ(logs.size(), 20u) << preset << " " << layer;
   }
 }
 

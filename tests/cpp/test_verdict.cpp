@@ -46,9 +46,10 @@ TEST_P(SharedCase, BothMetricsAsExpected) {
   const double rtol = c.at("rtol"), factor = c.at("noise_factor");
   bool passed = true;
   for (const char* metric : {"loss", "grad_norm"}) {
-    const kernmap::train::MetricVerdict v =
-        kernmap::train::judge_metric(values(c["original"][metric]), values(c["kernelized"][metric]),
-                                     values(c["noise"][metric]), rtol, factor);
+    std::vector<std::vector<double>> noise;
+    for (const json& run : c.at("noise")) noise.push_back(values(run[metric]));
+    const kernmap::train::MetricVerdict v = kernmap::train::judge_metric(
+        values(c["original"][metric]), values(c["kernelized"][metric]), noise, rtol, factor);
     const json& want = c["expect"][metric];
     EXPECT_EQ(v.passed, want.at("passed").get<bool>()) << metric;
     const std::vector<double> diff = values(want.at("diff")), tol = values(want.at("tolerance"));
@@ -76,10 +77,18 @@ INSTANTIATE_TEST_SUITE_P(Cases, SharedCase, ::testing::ValuesIn(cases()),
 
 TEST(Verdict, RunsOfDifferentLengthsAreAnError) {
   try {
-    kernmap::train::judge_metric({1, 1}, {1}, {1, 1}, 1e-5);
+    kernmap::train::judge_metric({1, 1}, {1}, {{1, 1}}, 1e-5);
     FAIL() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("same number of steps, got original 2, kernelized 1, noise 2"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    kernmap::train::judge_metric({1, 1}, {1, 1}, {{1, 1}, {1, 1, 1}}, 1e-5);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("same number of steps, got original 2, kernelized 2, noise 3"),
               std::string::npos)
         << e.what();
   }

@@ -88,7 +88,7 @@ def test_align_json_document_numbers_round_trip(run_cli):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert list(doc) == ["model", "passed", "rtol", "noise_factor", "max_loss_rel", "max_grad_norm_rel", "kernels",
-                         "noise_kernels", "verdict", "original", "noise", "kernelized"]
+                         "noise_kernels", "verdict", "original", "noise", "noise_alone", "kernelized"]
     assert doc["rtol"] == rtol and doc["passed"] is True
     assert len(doc["original"]) == len(doc["noise"]) == len(doc["kernelized"]) == 2
     assert doc["max_loss_rel"] <= rtol and doc["max_grad_norm_rel"] <= rtol

@@ -23,8 +23,8 @@ def series(run):
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_the_shared_cases(case):
-    v = verdict.judge(series(case["original"]), series(case["kernelized"]), series(case["noise"]), case["rtol"],
-                      case["noise_factor"])
+    v = verdict.judge(series(case["original"]), series(case["kernelized"]), [series(r) for r in case["noise"]],
+                      case["rtol"], case["noise_factor"])
     assert v.passed == case["expect"]["passed"]
     for metric in ("loss", "grad_norm"):
         got, want = getattr(v, metric), case["expect"][metric]
@@ -37,7 +37,9 @@ def test_the_shared_cases(case):
 
 def test_runs_of_different_lengths_are_an_error():
     with pytest.raises(ValueError, match="same number of steps, got original 2, kernelized 1, noise 2"):
-        verdict.judge_metric([1.0, 1.0], [1.0], [1.0, 1.0], 1e-5)
+        verdict.judge_metric([1.0, 1.0], [1.0], [[1.0, 1.0]], 1e-5)
+    with pytest.raises(ValueError, match="same number of steps, got original 2, kernelized 2, noise 3"):
+        verdict.judge_metric([1.0, 1.0], [1.0, 1.0], [[1.0, 1.0], [1.0, 1.0, 1.0]], 1e-5)
 
 
 def test_the_cpp_command_judges_with_the_same_noise_factor():
