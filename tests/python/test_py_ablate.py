@@ -43,6 +43,21 @@ def test_moe_rows_json_and_numbers():
         assert row["final_loss"] == pytest.approx(first["final_loss"], rel=1e-5), row["name"]
 
 
+def test_one_row_at_a_time_gives_the_same_rows_and_losses():
+    code, text = run_ablate("--preset", "qwen3-moe-tiny", *FAST, "--json")
+    interleaved = json.loads(text)
+    code_one, text_one = run_ablate("--preset", "qwen3-moe-tiny", *FAST, "--one-at-a-time", "--json")
+    one = json.loads(text_one)
+    assert code == code_one == 0
+    assert interleaved["interleaved"] is True and one["interleaved"] is False
+    assert [r["name"] for r in one["rows"]] == [r["name"] for r in interleaved["rows"]]
+    for a, b in zip(one["rows"], interleaved["rows"], strict=True):
+        assert len(a["seconds"]) == 2 and a["peak_bytes"] > 0
+        assert a["final_loss"] == b["final_loss"], a["name"]  # each row trains its own copy on the same batches
+    code, text = run_ablate("--preset", "qwen2-tiny", *FAST, "--one-at-a-time")
+    assert code == 0 and "rows one at a time (not interleaved)" in text.splitlines()[0]
+
+
 def test_dense_table_and_compile_rows():
     code, text = run_ablate("--preset", "qwen2-tiny", *FAST, "--compile", "--compile-backend", "aot_eager")
     assert code == 0

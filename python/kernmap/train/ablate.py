@@ -2,7 +2,9 @@
 default experts implementation, grouped_mm in transformers 5.23), of more originals with other experts
 implementations (--experts-baseline), of each kernel alone and of all of them, with --compile torch.compile of
 the original and of all. Each row trains its own copy on the same batches; rows are interleaved (step s of every
-row before step s+1 of any, in an order that rotates each step) so that machine drift hits all rows alike. Per
+row before step s+1 of any, in an order that rotates each step) so that machine drift hits all rows alike;
+--one-at-a-time trains them one after another instead, one copy in memory at a time, for a model of which a copy
+per row does not fit. Per
 row: the median step time after warm-up, the spread, the speedup over the original, CPU time, and the peak
 memory of a step (kernmap's count of CPU memory in tensors, reset before each step: per row, whatever the other
 rows hold)."""
@@ -77,21 +79,37 @@ def ablate(session: Session) -> list[Row]:
     args = session.args
     kernmap.count_cpu_memory()
     rows = plan_rows(session)
-    trainers = [Trainer(session.models.make(r.setup)[0], session.data, session.options, session.parallel,
-                        session.models.pad_id) for r in rows]
     total = args.warmup + args.steps
     progress = progress_bar("ablate", session.parallel.main and not args.json)
+
+    def trainer(row: Row) -> Trainer:
+        return Trainer(session.models.make(row.setup)[0], session.data, session.options, session.parallel,
+                       session.models.pad_id)
+
+    def step(row: Row, trainer: Trainer, s: int) -> None:
+        kernmap.reset_cpu_memory_peak()
+        before = kernmap.cpu_memory()["in_use"]
+        log = trainer.step()
+        row.final_loss = log.loss
+        if s >= args.warmup:  # warm-up steps also hold one-time allocations (AdamW's state, caches)
+            row.peak_bytes = max(row.peak_bytes, kernmap.cpu_memory()["peak"] - before)
+            row.seconds.append(log.seconds)
+            row.cpu_seconds.append(log.cpu_seconds)
+
+    if args.one_at_a_time:
+        for k, row in enumerate(rows):
+            t = trainer(row)
+            for s in range(total):
+                step(row, t, s)
+                if progress:
+                    progress(k * total + s + 1, len(rows) * total)
+            del t
+        return rows
+    trainers = [trainer(r) for r in rows]
     for s in range(total):
         for k in range(len(rows)):
             r = (s + k) % len(rows)  # rotate the order so no row is always first
-            kernmap.reset_cpu_memory_peak()
-            before = kernmap.cpu_memory()["in_use"]
-            log = trainers[r].step()
-            rows[r].final_loss = log.loss
-            if s >= args.warmup:  # warm-up steps also hold one-time allocations (AdamW's state, caches)
-                rows[r].peak_bytes = max(rows[r].peak_bytes, kernmap.cpu_memory()["peak"] - before)
-                rows[r].seconds.append(log.seconds)
-                rows[r].cpu_seconds.append(log.cpu_seconds)
+            step(rows[r], trainers[r], s)
         if progress:
             progress(s + 1, total)
     return rows
@@ -107,14 +125,16 @@ def to_json(session: Session, rows: list[Row]) -> dict:
                     "cpu_speedup_pct": (base["median_cpu_s"] / st["median_cpu_s"] - 1) * 100,
                     "peak_bytes": r.peak_bytes, "final_loss": r.final_loss, "seconds": r.seconds})
     return {"model": session.source.name, "parallel": {"kind": session.parallel.kind, "world": session.parallel.world},
+            "interleaved": not session.args.one_at_a_time,
             "experts_implementation": session.models.default_experts, "rows": out}
 
 
 def print_human(session: Session, rows: list[Row]) -> None:
     args = session.args
     default = session.models.default_experts
+    order = "rows one at a time (not interleaved)" if args.one_at_a_time else "rows interleaved"
     session.say(f"ablate {session.describe()}; {args.steps} measured steps per row after {args.warmup} warm-up, "
-                f"rows interleaved\n")
+                f"{order}\n")
     if default is not None:
         session.say(f"original: the model as transformers runs it, experts {default} (transformers' default); "
                     f"rows without the Experts kernel run their experts as the original does\n")

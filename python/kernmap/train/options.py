@@ -95,6 +95,10 @@ def parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--experts-baseline", type=experts_list, default=[],
                        help="more original rows with these transformers experts implementations "
                             "(eager, grouped_mm, batched_mm)")
+        p.add_argument("--one-at-a-time", action="store_true",
+                       help="train the rows one after another, one copy of the model (and its optimizer state) "
+                            "in memory at a time, for models of which a copy per row does not fit; the rows are "
+                            "then not interleaved, so drift of the machine between rows is not evened out")
     return p
 
 
