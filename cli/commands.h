@@ -27,6 +27,7 @@ Command add_kernels_command(CLI::App& parent);
 Command add_lock_command(CLI::App& parent);
 Command add_bench_command(CLI::App& parent);
 Command add_plan_command(CLI::App& parent);
+Command add_tune_command(CLI::App& parent);
 /// train, align and ablate.
 std::vector<Command> add_run_commands(CLI::App& parent);
 

@@ -108,7 +108,7 @@ int run(int argc, char** argv) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
 
   std::vector<Command> commands = {add_kernels_command(app), add_lock_command(app), add_bench_command(app),
-                                   add_plan_command(app)};
+                                   add_plan_command(app), add_tune_command(app)};
   for (Command& c : add_run_commands(app)) commands.push_back(std::move(c));
   for (Command& c : commands) {
     c.app->group("Commands")->fallthrough();

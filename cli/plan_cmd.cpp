@@ -1,5 +1,7 @@
 // `kernmap plan`: the kernelize Report for a model, without running it. The model is built on the meta device
-// (structure and shapes, no memory, no weights read), then kernelized for the requested device and mode.
+// (structure and shapes, no memory, no weights read), then kernelized for the requested device and mode. With
+// --verify the model is built for real (a preset's random weights, a checkpoint's own) and every resolved
+// kernel is checked on the first batch of the data (kernelize with Verify): the report shows the errors.
 #include <ATen/core/TensorBody.h>
 #include <c10/core/DeviceType.h>
 #include <CLI/CLI.hpp>
@@ -18,6 +20,7 @@
 #include "cli/table.h"
 #include "kernmap/models.h"
 #include "kernmap/registry.h"
+#include "kernmap/train.h"
 
 namespace kernmap::cli {
 namespace {
@@ -27,10 +30,33 @@ const Mode kModes[] = {Mode::kInference, Mode::kTraining, Mode::kInference | Mod
                        Mode::kTraining | Mode::kCompile, Mode::kFallback};
 
 struct PlanArgs {
-  std::string preset, model_dir, device = "cpu";
+  std::string preset, model_dir, device = "cpu", data_path, dtype = "float32";
   Mode mode = Mode::kTraining;
-  bool json = false;
+  int64_t batch_size = 4, seq_len = 128;
+  bool json = false, verify = false;
 };
+
+// The error / tolerance cell of a verified entry ("-" when not verified), as Python's Report prints it.
+std::string error_cell(const ReportEntry& e) {
+  if (!e.error || !e.tolerance) return "-";
+  char text[64];
+  std::snprintf(text, sizeof text, "%.2g / %.2g", *e.error, *e.tolerance);
+  return text;
+}
+
+Report verified_plan(const PlanArgs& a) {
+  if (a.device != "cpu")
+    throw UsageError("--verify runs the sample step on this machine's CPU: --device must be cpu, got '" +
+                     a.device + "'");
+  const at::TensorOptions options =
+      at::TensorOptions().dtype(a.dtype == "float32" ? at::kFloat : at::kBFloat16);
+  const auto model =
+      a.preset.empty() ? from_pretrained(a.model_dir, options) : make_preset(a.preset, options);
+  const int64_t vocab = model->config().vocab_size;
+  const train::Dataset data = a.data_path.empty() ? train::synthetic_dataset(vocab, a.batch_size, a.seq_len)
+                                                  : train::read_jsonl(a.data_path, vocab, false);
+  return kernelize(*model, a.device, a.mode, true, train::sample_step(*model, data, a.batch_size));
+}
 
 // The device names plan accepts: torch's device types as torch.device spells them (c10's names, the
 // PrivateUse1 backend's registered name included), every device a registered kernel names (plugins included),
@@ -57,16 +83,19 @@ void check_device(const std::string& device) {
 int plan_command(const PlanArgs& a) {
   check_device(a.device);
   const ModelConfig config = a.preset.empty() ? ModelConfig::from_dir(a.model_dir) : preset_config(a.preset);
-  const auto model = make_model(config, at::TensorOptions().device(at::kMeta));
-  const Report report = kernelize(*model, a.device, a.mode);
+  const Report report =
+      a.verify ? verified_plan(a)
+               : kernelize(*make_model(config, at::TensorOptions().device(at::kMeta)), a.device, a.mode);
   if (a.json) {
     print_json(Json::parse(report.json()));
     return 0;
   }
   Table table{{"module", "layer", "kernel", "reason"}, {}};
+  if (a.verify) table.header.insert(table.header.begin() + 3, "error / tolerance");
   size_t mapped = 0;
   for (const ReportEntry& e : report.entries) {
     table.rows.push_back({e.path, e.layer, e.kernel, e.reason});
+    if (a.verify) table.rows.back().insert(table.rows.back().begin() + 3, error_cell(e));
     mapped += e.fallback ? 0 : 1;
   }
   std::printf("%s (%s) on %s, %s: %zu of %zu kernel layers mapped to a kernel, %zu on the reference\n\n",
@@ -104,10 +133,23 @@ Command add_plan_command(CLI::App& parent) {
   add_text(*app, "--device", args->device, "TYPE", "a device type",
            "the device kernels are resolved for, a torch device type (default cpu)");
   app->add_flag("--json", args->json, "the report as one JSON document");
+  app->add_flag("--verify", args->verify,
+                "build the model and check every resolved kernel against its reference on the first batch "
+                "(forward and, in training, backward): a kernel off by more than its tolerance falls back, "
+                "the report shows each error");
+  add_text(*app, "--data", args->data_path, "FILE", "a file (JSONL token ids)",
+           "with --verify: JSONL token ids whose first batch is the sample (default: synthetic data)");
+  add_choice(*app, "--dtype", args->dtype, {"float32", "bfloat16"},
+             "with --verify: the model's parameter dtype");
+  add_integer(*app, "--batch-size", args->batch_size, 1, 65'536,
+              "with --verify: examples in the sample batch");
+  add_integer(*app, "--seq-len", args->seq_len, 2, 1 << 20, "with --verify: tokens per synthetic example");
   auto check = [args] {
     if (args->preset.empty() == args->model_dir.empty())
       throw UsageError("give exactly one of --preset NAME (one of " + join(preset_names()) +
                        ") or --model DIR");
+    if (!args->verify && (!args->data_path.empty() || args->dtype != "float32"))
+      throw UsageError("--data and --dtype choose the sample batch of --verify: give --verify too");
   };
   return {app, check, [args] { return plan_command(*args); }};
 }

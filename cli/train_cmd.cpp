@@ -49,7 +49,7 @@ struct RunArgs {
   int64_t steps = 20, warmup = 3, save_every = 0, examples = 64, seq_len = 128;
   std::optional<double> rtol;  ///< align's tolerance; by default 1e-5 for float32, 2e-2 for bfloat16
   std::vector<std::string> experts_baselines;  ///< ablate: more original rows, one per experts implementation
-  bool json = false, skip_bad_lines = false;
+  bool json = false, skip_bad_lines = false, verify = false;
   train::TrainOptions options;
 
   const std::string& model_name() const { return preset.empty() ? model_dir : preset; }
@@ -83,6 +83,10 @@ void add_run_options(CLI::App& app, RunArgs& r, Run run) {
   app.add_flag("--skip-non-finite", r.options.skip_non_finite,
                "skip a step whose loss or gradient norm is NaN or infinite (counted) instead of stopping");
   app.add_flag("--json", r.json, "one JSON document instead of the table");
+  app.add_flag("--verify", r.verify,
+               "check every kernel against its reference on the first batch (forward and backward) before "
+               "training: a kernel off by more than its tolerance runs its reference instead; the kernel "
+               "report shows each error");
   if (run == Run::kTrain) {
     add_text(app, "--save", r.save_dir, "DIR", "a folder", "write DIR/checkpoint.safetensors at the end");
     add_integer(app, "--save-every", r.save_every, 0, kMaxSteps,
@@ -200,11 +204,18 @@ std::string describe(const RunArgs& r, const ModelConfig& c, const train::Datase
          std::to_string(r.options.batch_size);
 }
 
+// With --verify, the kernel report (each kernel's measured error) ahead of the run's own table.
+void print_verified(const RunArgs& r, const Report& report) {
+  if (!r.verify) return;
+  std::printf("kernels verified on the first batch:\n%s\n", report.table().c_str());
+}
+
 int train_command(const RunArgs& r) {
   const train::LayerSet layers = kernel_layers(r);
   auto model = model_factory(r)();
   const train::Dataset data = load_data(r, model->config().vocab_size);
-  const Report report = train::bind_kernels(*model, layers);
+  const Report report = train::bind_kernels(
+      *model, layers, {}, r.verify ? train::sample_step(*model, data, r.options.batch_size) : Verify{});
   train::Trainer trainer(model, data, r.options);
   if (!r.resume_dir.empty()) {
     const int64_t resumed = trainer.load_checkpoint(r.resume_dir);
@@ -213,9 +224,11 @@ int train_command(const RunArgs& r) {
                        "'s checkpoint (" + std::to_string(resumed) + "): --steps is the last step to train");
   }
   const int64_t first = trainer.steps();
-  if (!r.json)
+  if (!r.json) {
     std::printf("train %s, steps %lld..%lld\n\n", describe(r, model->config(), data).c_str(),
                 static_cast<long long>(first + 1), static_cast<long long>(r.steps));
+    print_verified(r, report);
+  }
   Table table{{"step", "loss", "grad_norm", "ms", "tokens/s"}, {}};
   std::vector<train::StepLog> logs;
   const auto progress = r.json ? train::Progress{} : progress_bar("train");
@@ -283,7 +296,7 @@ int align_command(const RunArgs& r) {
   const ModelConfig config = factory()->config();
   const train::Dataset data = load_data(r, config.vocab_size);
   const train::AlignResult res = train::align(factory, data, r.options, layers, r.steps, *r.rtol,
-                                              r.json ? train::Progress{} : progress_bar("align"));
+                                              r.json ? train::Progress{} : progress_bar("align"), r.verify);
   const train::Verdict& v = res.verdict;
   if (r.json) {
     Json noise_kernels = Json::object();  // layer -> the kernel the noise run bound (its float64 kernel)
@@ -318,6 +331,7 @@ int align_command(const RunArgs& r) {
       bound += (bound.empty() ? "" : ", ") + e.kernel;
   std::printf("%s\noriginal: the reference kernels; noise floor: %s\n\n",
               bound.empty() ? "none (all reference)" : bound.c_str(), train::kNoiseRun);
+  print_verified(r, res.report);
   Table table{{"step", "loss original", "loss kernelized", "rel diff", "noise", "tolerance",
                "grad_norm original", "grad_norm kernelized", "rel diff", "noise", "tolerance"},
               {}};
@@ -338,13 +352,13 @@ int ablate_command(const RunArgs& r) {
   const auto factory = model_factory(r);
   const ModelConfig config = factory()->config();
   const train::Dataset data = load_data(r, config.vocab_size);
-  const auto rows =
-      train::ablate(factory, data, r.options, layers, r.warmup, r.steps,
-                    r.json ? train::Progress{} : progress_bar("ablate"), "grouped_mm", r.experts_baselines);
+  const auto rows = train::ablate(factory, data, r.options, layers, r.warmup, r.steps,
+                                  r.json ? train::Progress{} : progress_bar("ablate"), "grouped_mm",
+                                  r.experts_baselines, r.verify);
   const std::string default_experts = rows.front().experts;
   if (r.json) {
     Json out = Json::array();
-    for (const train::AblationRow& row : rows)
+    for (const train::AblationRow& row : rows) {
       out.push_back({{"name", row.name},
                      {"experts", row.experts.empty() ? Json() : Json(row.experts)},
                      {"median_s", row.median_s},
@@ -357,6 +371,8 @@ int ablate_command(const RunArgs& r) {
                      {"peak_bytes", static_cast<int64_t>(row.peak_bytes)},  // a count of bytes
                      {"final_loss", row.final_loss},
                      {"seconds", row.seconds}});
+      if (r.verify) out.back()["kernels"] = Json::parse(row.report.json());  // each kernel's measured error
+    }
     print_json({{"model", r.model_name()},
                 {"experts_implementation", default_experts.empty() ? Json() : Json(default_experts)},
                 {"rows", out}});
@@ -387,6 +403,10 @@ int ablate_command(const RunArgs& r) {
          fixed(row.min_s * 1e3, 1), pct(row.speedup_pct), fixed(row.median_cpu_s * 1e3, 1),
          pct(row.cpu_speedup_pct), fixed(row.peak_bytes / (1 << 20), 1), fixed(row.final_loss, 4)});
   std::fputs(table.render().c_str(), stdout);
+  if (r.verify) {  // the "all" row binds every kernel the other rows bind
+    std::printf("\n");
+    print_verified(r, rows.back().report);
+  }
   return 0;
 }
 

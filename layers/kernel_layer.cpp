@@ -121,6 +121,7 @@ void RMSNorm::bind_op(const std::string& kernel_name) {
 }
 
 Tensor RMSNorm::forward(const Tensor& x) {
+  if (recording()) record({x, weight_, eps_});
   return op_->handle.call(x, weight_, eps_);
 }
 
@@ -150,6 +151,7 @@ void FusedAddRMSNorm::bind_op(const std::string& kernel_name) {
 }
 
 TensorPair FusedAddRMSNorm::forward(const Tensor& x, const Tensor& residual) {
+  if (recording()) record({x, residual, weight_, eps_});
   return op_->handle.call(x, residual, weight_, eps_);
 }
 
@@ -182,6 +184,7 @@ void RotaryPosEmb::bind_op(const std::string& kernel_name) {
 }
 
 TensorPair RotaryPosEmb::forward(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
+  if (recording()) record({q, k, cos, sin, int64_t{1}});
   return op_->handle.call(q, k, cos, sin, /*unsqueeze_dim=*/1);
 }
 
@@ -225,7 +228,9 @@ void GatedMLP::bind_op(const std::string& kernel_name) {
 }
 
 Tensor GatedMLP::forward(const Tensor& x) {
-  return down_proj->forward(op_->handle.call(gate_proj->forward(x), up_proj->forward(x)));
+  const Tensor gate = gate_proj->forward(x), up = up_proj->forward(x);
+  if (recording()) record({gate, up});
+  return down_proj->forward(op_->handle.call(gate, up));
 }
 
 KernelInputs GatedMLP::kernel_inputs() const {
@@ -263,6 +268,7 @@ void Experts::bind_op(const std::string& kernel_name) {
 }
 
 Tensor Experts::forward(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights) {
+  if (recording()) record({hidden, topk_ids, topk_weights, gate_up_proj_, down_proj_});
   return op_->handle.call(hidden, topk_ids, topk_weights, gate_up_proj_, down_proj_);
 }
 
@@ -295,6 +301,7 @@ void CausalLMLoss::bind_op(const std::string& kernel_name) {
 Tensor CausalLMLoss::forward(const Tensor& hidden, const Tensor& labels, const Tensor& num_items_in_batch,
                              int64_t ignore_index) {
   auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
+  if (recording()) record({hidden, weight_, labels, opt(bias_), ignore_index, opt(num_items_in_batch)});
   return op_->handle.call(hidden, weight_, labels, opt(bias_), ignore_index, opt(num_items_in_batch));
 }
 

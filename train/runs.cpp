@@ -59,7 +59,7 @@ const KernelDescriptor* float64_kernel(const std::string& layer) {
 
 AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
                   const TrainOptions& options, const LayerSet& layers, int64_t steps, double rtol,
-                  const Progress& progress) {
+                  const Progress& progress, bool verify) {
   AlignResult result;
   result.rtol = rtol;
   Baseline noise_kernels;
@@ -91,7 +91,11 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
     const Baseline one{{layer, noise_kernels.at(layer)}};
     run([&](CausalLM& m) { return bind_kernels(m, {}, one); }, result.noise_alone[layer]);
   }
-  result.report = run([&](CausalLM& m) { return bind_kernels(m, layers); }, result.kernelized);
+  result.report = run(
+      [&](CausalLM& m) {
+        return bind_kernels(m, layers, {}, verify ? sample_step(m, data, options.batch_size) : Verify{});
+      },
+      result.kernelized);
   std::vector<std::vector<StepLog>> noise_runs{result.noise};
   for (const auto& entry : result.noise_alone) noise_runs.push_back(entry.second);
   result.verdict = judge(result.original, result.kernelized, noise_runs, rtol);
@@ -106,7 +110,8 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
 std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
                                 const Dataset& data, const TrainOptions& options, const LayerSet& layers,
                                 int64_t warmup, int64_t steps, const Progress& progress,
-                                const std::string& experts, const std::vector<std::string>& more_experts) {
+                                const std::string& experts, const std::vector<std::string>& more_experts,
+                                bool verify) {
   count_cpu_memory();
   const Baseline baseline{{"Experts", experts_baseline_kernel(experts)}};
   for (const std::string& name : more_experts) experts_baseline_kernel(name);  // unknown names throw first
@@ -114,9 +119,12 @@ std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>
   std::vector<std::unique_ptr<Trainer>> trainers;
   auto add_row = [&](std::string name, LayerSet set, const Baseline& b) {
     auto model = make_model();
-    const Report report = bind_kernels(*model, set, b);
+    const bool check = verify && !set.empty();
+    Report report =
+        bind_kernels(*model, set, b, check ? sample_step(*model, data, options.batch_size) : Verify{});
     trainers.push_back(std::make_unique<Trainer>(model, data, options));
     rows.push_back({std::move(name), std::move(set), experts_of(report)});
+    rows.back().report = std::move(report);
   };
   const std::vector<std::string> model_layers = layers_of(*make_model());
   const bool has_experts = std::count(model_layers.begin(), model_layers.end(), "Experts") > 0;

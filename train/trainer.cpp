@@ -170,8 +170,14 @@ LayerSet parse_kernels(const std::string& text) {
   return out;
 }
 
-Report bind_kernels(CausalLM& model, const LayerSet& layers, const Baseline& baseline) {
-  Report report = kernelize(model, "", Mode::kTraining);
+Verify sample_step(CausalLM& model, const Dataset& data, int64_t batch_size) {
+  const int64_t pad_id = std::max<int64_t>(model.config().pad_token_id, 0);
+  const Batch batch = make_batch(data, 0, batch_size, pad_id);
+  return {[&model, batch] { return model.forward(batch.input_ids, batch.labels).loss; }};
+}
+
+Report bind_kernels(CausalLM& model, const LayerSet& layers, const Baseline& baseline, const Verify& verify) {
+  Report report = kernelize(model, "", Mode::kTraining, true, verify);
   std::map<std::string, KernelLayer*> by_path;
   for (const auto& item : model.named_modules("", /*include_self=*/false))
     if (auto* layer = dynamic_cast<KernelLayer*>(item.value().get())) by_path[item.key()] = layer;
@@ -180,6 +186,8 @@ Report bind_kernels(CausalLM& model, const LayerSet& layers, const Baseline& bas
     KernelLayer* layer = by_path.at(e.path);
     const KernelDescriptor* kernel = reference_kernel(layer->layer_name());
     e.reason = "not selected by --kernels";
+    e.error.reset();  // what was verified is not what runs
+    e.tolerance.reset();
     if (auto it = baseline.find(layer->layer_name()); it != baseline.end()) {
       const KernelDescriptor* chosen = find_kernel(it->second);
       if (chosen == nullptr)

@@ -7,8 +7,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -37,6 +39,12 @@ class KERNMAP_API KernelLayer : public torch::nn::Module {
   /// layer, has no torch op, or its op is not registered or has another signature than the layer's.
   void bind(const KernelDescriptor& kernel);
 
+  /// Receives a forward's kernel arguments, in the op's order (tensors, floats, ints, None for an absent
+  /// optional tensor), before the kernel runs: how kernelize's verify and tune capture a model's live inputs.
+  using Recorder = std::function<void(const std::vector<c10::IValue>& args)>;
+  /// While set, every forward hands its kernel's arguments to recorder; an empty function stops it.
+  void set_recorder(Recorder recorder) { recorder_ = std::move(recorder); }
+
  protected:
   explicit KernelLayer(std::string layer_name);
   /// Looks up the torch op of the registered kernel of that name, checks it against the layer's signature and
@@ -45,10 +53,14 @@ class KERNMAP_API KernelLayer : public torch::nn::Module {
   /// The dtype name of a tensor, or of a dtype, as the registry spells it ("float32").
   static std::string dtype_name(const at::Tensor& t);
   static std::string dtype_name(at::ScalarType t);
+  /// Whether a recorder is set; the forwards call record only then, so that a step pays for nothing else.
+  bool recording() const { return static_cast<bool>(recorder_); }
+  void record(const std::vector<c10::IValue>& args) const { recorder_(args); }
 
  private:
   std::string layer_name_;
   const KernelDescriptor* kernel_ = nullptr;
+  Recorder recorder_;
 };
 
 /// RMSNorm over the last dimension (transformers' Qwen2RMSNorm): parameter `weight` [H], initialised to ones.
@@ -183,6 +195,10 @@ struct KERNMAP_API ReportEntry {
   bool fallback = false;  ///< true when the reference was bound instead of a mapped kernel
   std::string source;     ///< "scoped", "user", "default", "reference"
   std::string reason;     ///< why this kernel
+  /// With kernelize(..., Verify): the kernel's largest difference from the reference on the sample step's
+  /// inputs, at the element worst relative to its tolerance, and that tolerance (docs/mapping.md, "Verified
+  /// and tuned mappings"); nullopt when not verified (or the kernel raised, or the difference is not finite).
+  std::optional<double> error{}, tolerance{};
 };
 
 /// What kernelize did, one entry per kernel layer in module order.
@@ -190,9 +206,10 @@ struct KERNMAP_API Report {
   std::string device;
   Mode mode = Mode::kInference;
   std::vector<ReportEntry> entries;
-  /// An aligned text table: path, layer, kernel, reason.
+  /// An aligned text table: path, layer, kernel, (when any entry was verified) error / tolerance, reason.
   std::string table() const;
-  /// {"device": ..., "mode": ..., "layers": [{"path", "layer", "kernel", "fallback", "source", "reason"}]}
+  /// {"device": ..., "mode": ..., "layers": [{"path", "layer", "kernel", "fallback", "source", "reason",
+  /// "error", "tolerance"}]}, error and tolerance null when not verified.
   std::string json() const;
 };
 
@@ -211,6 +228,26 @@ class KERNMAP_API KernelizeError : public std::runtime_error {
 /// mode).
 KERNMAP_API Report kernelize(torch::nn::Module& module, const std::string& device, Mode mode,
                              bool use_fallback = true);
+
+/// The sample step kernelize checks kernels on: step runs one forward of a sample batch on the module (a
+/// training step's inputs, labels included) and returns the loss. Only the forward: nothing takes its
+/// backward. An empty step verifies nothing.
+struct KERNMAP_API Verify {
+  std::function<at::Tensor()> step;
+};
+
+/// kernelize, then every layer whose kernel resolved is checked on the module's live inputs (docs/mapping.md,
+/// "Verified and tuned mappings"): verify.step runs once (gradients on in training) with every kernel layer
+/// on its reference kernel, each resolved layer recording its first call's arguments; then the kernel and the
+/// reference run on them, forward and, in training, backward under a fixed-seed random upstream gradient, and
+/// a kernel whose outputs or gradients differ from the reference's by more than the layer's tolerance (the
+/// table python/kernmap/verify_tolerances.json) falls back: its entry says "verify: <output|grad_x> max error
+/// X > tolerance Y". Entries carry the measured error; a layer the step never called stays bound, its reason
+/// ending "; verify: not called by the sample batch". Parameters, their gradients, the modules' train flags
+/// and the CPU random state are left as they were; no optimizer step. With use_fallback=false a verify
+/// fallback raises KernelizeError as a resolution fallback does.
+KERNMAP_API Report kernelize(torch::nn::Module& module, const std::string& device, Mode mode,
+                             bool use_fallback, const Verify& verify);
 
 /// Binds every KernelLayer in module back to its reference kernel and reports it.
 KERNMAP_API Report restore_reference(torch::nn::Module& module);

@@ -18,8 +18,10 @@
 // names.
 #pragma once
 
+#include <map>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernmap/export.h"
 #include "kernmap/registry.h"
@@ -43,5 +45,27 @@ KERNMAP_API Mapping load_mapping_file(const std::string& path);
 /// load_mapping_file, then register_mapping: the file's entries become user registrations (a (layer, device)
 /// entry replaces an earlier one). Nothing is registered when the file has any error.
 KERNMAP_API void register_mapping_file(const std::string& path);
+
+/// One table of a mapping file to write: the comment lines above it (each written after "# "), and the
+/// kernels of one (layer, device) pair by mode.
+struct KERNMAP_API MappingFileSection {
+  std::vector<std::string> comments;
+  std::string layer, device;
+  std::map<Mode, std::string> modes;
+};
+
+/// A mapping file's text in the format of path's extension (.toml or .json): the header lines as "# "
+/// comments, `kernmap_mapping = 1`, then each section as a [layer.device] table of mode = "kernel" entries
+/// under its comments (TOML); or {"kernmap_mapping": 1, layer: {device: {mode: kernel}}} without the comments
+/// (JSON, indented by 2, as Python's json.dumps(indent=2)). What load_mapping_file and
+/// kernmap.load_mapping_file read back as the same mapping. Throws MappingFileError for another extension.
+KERNMAP_API std::string mapping_file_text(const std::string& path, const std::vector<std::string>& header,
+                                          const std::vector<MappingFileSection>& sections);
+
+/// Writes mapping_file_text to path whole or not at all (a temporary file renamed over it). Throws
+/// MappingFileError for another extension, std::runtime_error naming the file and the system's reason when
+/// it cannot be written.
+KERNMAP_API void write_mapping_file(const std::string& path, const std::vector<std::string>& header,
+                                    const std::vector<MappingFileSection>& sections);
 
 }  // namespace kernmap

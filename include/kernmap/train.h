@@ -198,10 +198,15 @@ using LayerSet = std::set<std::string>;
 KERNMAP_API LayerSet parse_kernels(const std::string& text);
 /// The kernels a run's unselected layers run instead of their references: layer -> kernel name.
 using Baseline = std::map<std::string, std::string>;
-/// Kernelizes the layers in `layers` for training on the model's device and binds every other kernel layer to
-/// its baseline kernel (when it takes the layer's inputs) or its reference. Returns the kernelize report of
-/// the final binding.
-KERNMAP_API Report bind_kernels(CausalLM& model, const LayerSet& layers, const Baseline& baseline = {});
+/// The first batch of a run (make_batch(data, 0, batch_size)) as kernelize's sample step on model: one
+/// forward with labels, returning the loss. The model must outlive the Verify.
+KERNMAP_API Verify sample_step(CausalLM& model, const Dataset& data, int64_t batch_size);
+
+/// Kernelizes the layers in `layers` for training on the model's device (with verify's step, each kernel
+/// verified on it: kernelize with Verify) and binds every other kernel layer to its baseline kernel (when it
+/// takes the layer's inputs) or its reference. Returns the kernelize report of the final binding.
+KERNMAP_API Report bind_kernels(CausalLM& model, const LayerSet& layers, const Baseline& baseline = {},
+                                const Verify& verify = {});
 
 /// Called after each step of a run: (steps done, steps in all).
 using Progress = std::function<void(int64_t, int64_t)>;
@@ -268,10 +273,12 @@ struct KERNMAP_API AlignResult {
   double rtol = 0;
   bool passed = false;  ///< verdict.passed
 };
-/// make_model() must return the same initial model each call.
+/// make_model() must return the same initial model each call. verify: the kernelized run's kernels are
+/// verified on its first batch (sample_step) before it trains; a kernel that fails runs its reference (report
+/// says why).
 KERNMAP_API AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model,
                               const Dataset& data, const TrainOptions& options, const LayerSet& layers,
-                              int64_t steps, double rtol, const Progress& progress = {});
+                              int64_t steps, double rtol, const Progress& progress = {}, bool verify = false);
 
 /// transformers' experts implementations an ablation's original rows run ("grouped_mm", transformers 5.23's
 /// default; "batched_mm"; "eager", the reference loop): their kernel names; throws std::invalid_argument for
@@ -295,18 +302,21 @@ struct KERNMAP_API AblationRow {
   double peak_bytes = 0;  ///< most CPU memory in tensors during one measured step, above what was held before
                           ///< it (kernmap/memory.h: c10's CPU allocator and kernmap's large blocks)
   double final_loss = 0;
+  Report report{};  ///< the row's binding
 };
 /// Rows original (the references, experts as `experts`: transformers' default), one more original row per
 /// implementation in `more_experts`, +each layer the model has (of `layers`), all; rows without the Experts
 /// kernel run their experts as the original does. Each row trains its own copy of the model on the same
 /// batches. Steps are interleaved (step s of every row before step s+1 of any, rows in a rotating order) so
 /// that machine drift hits all rows alike. When the grouped_mm baseline cannot take the model's sizes, its
-/// rows run the eager loop (and say so in `experts`).
+/// rows run the eager loop (and say so in `experts`). verify: each row that kernelizes a layer verifies its
+/// kernels on the first batch (sample_step) first.
 KERNMAP_API std::vector<AblationRow> ablate(const std::function<std::shared_ptr<CausalLM>()>& make_model,
                                             const Dataset& data, const TrainOptions& options,
                                             const LayerSet& layers, int64_t warmup, int64_t steps,
                                             const Progress& progress = {},
                                             const std::string& experts = "grouped_mm",
-                                            const std::vector<std::string>& more_experts = {});
+                                            const std::vector<std::string>& more_experts = {},
+                                            bool verify = false);
 
 }  // namespace kernmap::train

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 
 #include "kernmap/plugin.h"
@@ -84,6 +85,20 @@ class TempRepo {
  private:
   fs::path root_;
 };
+
+/// Loads a test plugin (strictly: a refusal throws) from a temporary repository, once per process; the
+/// library stays loaded, its repository copy is removed.
+inline void load_test_plugin(const std::string& plugin) {
+  static std::set<std::string> loaded;
+  if (loaded.count(plugin)) return;
+  TempRepo repo;
+  repo.add(plugin, plugin, plugin);
+  LoadOptions options;
+  options.paths = {repo.path()};
+  options.strict = true;
+  load_plugins(options);
+  loaded.insert(plugin);
+}
 
 /// The report entry of a package folder; fails the test when absent.
 inline const PackageReport& entry(const LoadReport& report, const std::string& folder) {
