@@ -11,6 +11,8 @@
 namespace kernmap::cli {
 
 struct Impl {
+  /// An implementation whose name contains "kernmap" runs kernmap's CPU kernels: with --levels it is timed at
+  /// each level; the others (the reference, torch's, a dense product) once.
   std::string name;
   std::function<void()> run;
   /// When > 0: timed this many times at most, without warm-up (an implementation that takes minutes, such as
