@@ -211,7 +211,9 @@ int bench_command(const Options& o) {
       {"rms_norm", rms_norm_cases},
       {"add_rms_norm", add_rms_norm_cases},
       {"apply_rotary", rotary_cases},
+      {"silu", silu_cases},
       {"silu_and_mul", silu_and_mul_cases},
+      {"swiglu", swiglu_cases},
       {"grouped_mm", grouped_mm_cases},
       {"experts", experts_cases},
       {"linear_cross_entropy", linear_cross_entropy_cases}};
