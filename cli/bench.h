@@ -26,6 +26,10 @@ struct Case {
   double flops = 0;  ///< 0 for memory-bound ops
   int max_reps = 0;  ///< caps --reps for cases that take seconds per repetition (0: no cap)
   std::vector<Impl> impls;
+  /// Whether kernmap's implementation computes the FLOPs in kernmap's CPU kernels, bound to the level they
+  /// run at (false: through ATen's BLAS or oneDNN, which use the CPU's best instructions whatever the level,
+  /// so its floor is the machine's fastest dense rate at every level).
+  bool level_bound_flops = true;
 };
 
 /// Builds one case (its tensors live only while it runs: MoE cases hold gigabytes of expert weights).

@@ -65,6 +65,11 @@ const CacheSizes& cache_sizes() {
   return sizes;
 }
 
+int64_t l2_block_bytes() {
+  static const int64_t bytes = (cache_sizes().l2 > 0 ? cache_sizes().l2 : int64_t{1} << 20) / 4;
+  return bytes;
+}
+
 std::string cpu_model() {
   std::ifstream f("/proc/cpuinfo");
   std::string line;

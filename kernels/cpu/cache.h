@@ -21,6 +21,14 @@ CacheSizes read_cache_sizes(const std::string& root, bool sysconf_fallback = tru
 /// cpu0's caches (/sys/devices/system/cpu/cpu0/cache, else sysconf), read once.
 const CacheSizes& cache_sizes();
 
+/// The blocking rule for the level-2 cache: the bytes of the operand a blocked kernel streams that it keeps
+/// in flight per core, a quarter of one core's L2 (of 1 MiB where the size is unknown). The block being
+/// computed and the next one, fetched meanwhile, take half of it; the partial sums beside them and the other
+/// operand's lines the rest. Read by the grouped backward's reduction blocks (kernels/cpu/gemm_outer.cpp) and
+/// its task sizes (ops/grouped_mm.cpp); docs/performance.md, "gemm_bcast reduction blocks", has the
+/// measurements.
+int64_t l2_block_bytes();
+
 /// The first "model name" of /proc/cpuinfo ("AMD EPYC 9654 96-Core Processor"), or "unknown".
 std::string cpu_model();
 

@@ -90,8 +90,8 @@ void the_public_level_functions_name_and_set_it(const Case&) {
 }
 
 // The cache reader on a sysfs-shaped folder: data and unified caches by level, the instruction cache skipped,
-// sizes in K and M, an unreadable size left 0, the list ending at the first missing index; and the public
-// functions give cpu0's figures.
+// sizes in K and M, an unreadable size left 0, the list ending at the first missing index; the public
+// functions give cpu0's figures, and the blocking rule reads them.
 void the_cache_reader_reads_sysfs(const Case&) {
   namespace fs = std::filesystem;
   const fs::path root = fs::temp_directory_path() / ("kernmap_cache_" + std::to_string(::getpid()));
@@ -123,6 +123,8 @@ void the_cache_reader_reads_sysfs(const Case&) {
   EXPECT_EQ(pub.l2_bytes, own.l2);
   EXPECT_EQ(pub.l3_bytes, own.l3);
   EXPECT_FALSE(kernmap::cpu_model().empty());
+  // The level-2 blocking rule: a quarter of one core's L2, of 1 MiB where unknown.
+  EXPECT_EQ(kernmap::cpu::l2_block_bytes(), (own.l2 > 0 ? own.l2 : int64_t{1} << 20) / 4);
 }
 
 void fresh_allocations_are_nan(const Case& c) {
