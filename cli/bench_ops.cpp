@@ -292,16 +292,16 @@ int bench_command(const Options& o) {
   auto gbps = [](const Row& r) { return r.c.bytes / (r.t.median_ms * 1e6); };
   auto gflops = [](const Row& r) { return r.c.flops / (r.t.median_ms * 1e6); };
   // The floor: the larger of the bytes at the copy bandwidth and the FLOPs at the fastest dense rate the
-  // row's level can use (an implementation outside kernmap, or whose products go through BLAS: the machine's
-  // fastest, as at the top level run).
+  // row's level can use (an implementation outside kernmap, or whose products go through BLAS: the faster of
+  // the machine's fp32 and case-dtype rates).
   auto floor_of = [&](const Row& r) {
     Floor f{r.c.bytes / (copy * 1e6), "copy"};
     if (r.c.flops <= 0) return f;
-    const std::string& level = r.level.empty() || !r.c.level_bound_flops ? levels.back() : r.level;
+    const bool level_bound = !r.level.empty() && r.c.level_bound_flops;
     double compute = 0;
     std::string source;
     for (const std::string& d : {std::string("float32"), r.c.dtype}) {
-      if (!peak.count(d) || !level_computes_in(level, d)) continue;
+      if (!peak.count(d) || (level_bound && !level_computes_in(r.level, d))) continue;
       const double ms = r.c.flops / (peak.at(d) * 1e6);
       if (source.empty() || ms < compute) {
         compute = ms;
