@@ -11,6 +11,8 @@
 namespace kernmap::cli {
 
 struct Impl {
+  /// An implementation whose name contains "kernmap" runs kernmap's CPU kernels: with --levels it is timed at
+  /// each level; the others (the reference, torch's, a dense product) once.
   std::string name;
   std::function<void()> run;
   /// When > 0: timed this many times at most, without warm-up (an implementation that takes minutes, such as
@@ -24,6 +26,10 @@ struct Case {
   double flops = 0;  ///< 0 for memory-bound ops
   int max_reps = 0;  ///< caps --reps for cases that take seconds per repetition (0: no cap)
   std::vector<Impl> impls;
+  /// Whether kernmap's implementation computes the FLOPs in kernmap's CPU kernels, bound to the level they
+  /// run at (false: through ATen's BLAS or oneDNN, which use the CPU's best instructions whatever the level,
+  /// so its floor is the machine's fastest dense rate at every level).
+  bool level_bound_flops = true;
 };
 
 /// Builds one case (its tensors live only while it runs: MoE cases hold gigabytes of expert weights).
@@ -49,6 +55,8 @@ std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make);
 std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> add_rms_norm_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> rotary_cases(const std::string& dtype, const ShapeFilter& wanted);
+std::vector<CaseBuilder> silu_cases(const std::string& dtype, const ShapeFilter& wanted);
+std::vector<CaseBuilder> swiglu_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> experts_cases(const std::string& dtype, const ShapeFilter& wanted);

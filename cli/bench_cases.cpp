@@ -1,4 +1,5 @@
-// The elementwise cases of `kernmap bench ops` (RMSNorm, SiLU-and-mul at Qwen2-7B sizes) and shared helpers.
+// The elementwise cases of `kernmap bench ops` (RMSNorm, SiLU, SiLU-and-mul and its packed form SwiGLU at
+// Qwen2-7B sizes) and shared helpers.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -111,6 +112,36 @@ std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype, const Shap
         "silu_and_mul", dtype, {gate, up}, dy, 3 * n, 6 * n,
         [](const std::vector<at::Tensor>& in) { return kernmap::silu_and_mul(in[0], in[1]); },
         [](const std::vector<at::Tensor>& in) { return kernmap::reference::silu_and_mul(in[0], in[1]); });
+  });
+}
+
+std::vector<CaseBuilder> silu_cases(const std::string& dtype, const ShapeFilter&) {
+  return builders_of([dtype] {
+    const at::ScalarType dt = dtype_of(dtype);
+    const int64_t T = 4096, I = 18944;  // the gated MLP's gate at Qwen2-7B sizes
+    at::Tensor x = at::randn({T, I}).to(dt);
+    at::Tensor dy = at::randn({T, I}).to(dt);
+    const double n = double(T) * I * x.element_size();
+    // Forward: x read, y written; the backward adds dy read and dx written (as silu_and_mul counts it: the
+    // inputs' second read is not counted).
+    return both_passes(
+        "silu", dtype, {x}, dy, 2 * n, 4 * n,
+        [](const std::vector<at::Tensor>& in) { return kernmap::silu(in[0]); },
+        [](const std::vector<at::Tensor>& in) { return kernmap::reference::silu(in[0]); });
+  });
+}
+
+std::vector<CaseBuilder> swiglu_cases(const std::string& dtype, const ShapeFilter&) {
+  return builders_of([dtype] {
+    const at::ScalarType dt = dtype_of(dtype);
+    const int64_t T = 4096, I = 18944;  // gate and up packed, as MoE experts store them
+    at::Tensor gate_up = at::randn({T, 2 * I}).to(dt);
+    at::Tensor dy = at::randn({T, I}).to(dt);
+    const double n = double(T) * I * gate_up.element_size();
+    return both_passes(
+        "swiglu", dtype, {gate_up}, dy, 3 * n, 6 * n,
+        [](const std::vector<at::Tensor>& in) { return kernmap::swiglu(in[0]); },
+        [](const std::vector<at::Tensor>& in) { return kernmap::reference::swiglu(in[0]); });
   });
 }
 

@@ -1,8 +1,12 @@
 // `kernmap bench ops`: each kernel against the reference, side by side in one run. Repetitions of the
 // implementations of one case are interleaved so machine drift hits them alike; medians after warm-up. The
-// machine's copy bandwidth (bytes read + bytes written by a large buffer copy) is measured in the same run
-// and each kernel's GB/s (each input read once, each output written once, over the median) is reported
-// against it.
+// machine's limits are measured in the same run: the copy bandwidth (bytes read + bytes written by a large
+// buffer copy) and the dense GEMM rate of each dtype a case with FLOPs uses, and of fp32. Each row's floor is
+// the larger of its bytes at the copy bandwidth and its FLOPs at the fastest dense rate its level can use
+// (fp32, or the case's dtype where the level has that dtype's product instructions: kernels may compute a
+// bf16 case in fp32); the row names the limit its floor came from. With --levels, kernmap's implementations
+// are timed at each level in the same process (set_cpu_level switches every thread's kernel table between
+// repetitions), interleaved with the other implementations, which run once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -13,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -35,11 +40,62 @@ namespace {
 struct Options {
   bool json = false;
   std::string filter;
-  std::string shape;  // regex over the case's shape ("E128 k8 H2048 I768 T256", "[4096, 3584]")
-  std::string impl;   // regex over "op/pass/implementation" ("experts/fwd+bwd/reference")
+  std::string shape;   // regex over the case's shape ("E128 k8 H2048 I768 T256", "[4096, 3584]")
+  std::string impl;    // regex over "op/pass/implementation" ("experts/fwd+bwd/reference")
+  std::string levels;  // "all" or a comma list; empty: the level in use only
   int warmup = 3;
   int reps = 11;
 };
+
+// The levels --levels names, lowest first, checked against those this process can run: the CPU's supported
+// levels up to the one in use at start (KERNMAP_CPU_ISA caps it). Throws UsageError naming the level and the
+// runnable ones.
+std::vector<std::string> levels_to_run(const std::string& text) {
+  const std::string active = cpu_level();
+  const std::vector<std::string> supported = supported_cpu_levels();
+  std::vector<std::string> runnable;
+  for (const std::string& l : supported) {
+    runnable.push_back(l);
+    if (l == active) break;
+  }
+  if (text.empty()) return {active};
+  if (text == "all") return runnable;
+  const std::vector<std::string> known = {"baseline", "avx2", "avx512", "avx512bf16"};
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string name = text.substr(start, comma - start);
+    start = comma + 1;
+    if (std::find(known.begin(), known.end(), name) == known.end())
+      throw UsageError("--levels: unknown level '" + name + "' (expected all or a comma list of " +
+                       join(known) + ")");
+    if (std::find(runnable.begin(), runnable.end(), name) == runnable.end()) {
+      const char* cap = std::getenv("KERNMAP_CPU_ISA");
+      const bool capped = cap != nullptr && active != supported.back();
+      throw UsageError("--levels: level '" + name + "' cannot run in this process (it runs " +
+                       join(runnable) +
+                       (capped ? std::string("; KERNMAP_CPU_ISA=") + cap + " caps it" : std::string()) + ")");
+    }
+    out.push_back(name);
+  }
+  // Lowest first, each once (the highest is the level of the rows of implementations outside kernmap).
+  std::vector<std::string> ordered;
+  for (const std::string& l : runnable)
+    if (std::find(out.begin(), out.end(), l) != out.end()) ordered.push_back(l);
+  return ordered;
+}
+
+// Whether kernels at `level` have the product instructions of `dtype` (else they compute it in fp32, whose
+// dense rate is then the only honest compute limit). fp32 everywhere; bf16 at avx512bf16 (vdpbf16ps).
+bool level_computes_in(const std::string& level, const std::string& dtype) {
+  return dtype == "float32" || (dtype == "bfloat16" && level == "avx512bf16");
+}
+
+// An implementation timed at each level: its name says it runs kernmap's kernels (bench.h).
+bool runs_kernmap(const Impl& im) {
+  return im.name.find("kernmap") != std::string::npos;
+}
 
 struct Timing {
   double median_ms, min_ms, max_ms;
@@ -116,8 +172,24 @@ double dense_gflops(const std::string& dtype, const Options& o) {
 struct Row {
   Case c;
   std::string impl;
+  std::string level;  ///< the level kernmap's kernels ran at; empty for an implementation that runs none
   Timing t;
 };
+
+struct Floor {
+  double ms;
+  std::string source;  ///< the limit it came from: "copy", "gemm fp32", "gemm bf16"
+};
+
+std::string short_dtype(const std::string& dtype) {
+  return dtype == "float32" ? "fp32" : dtype == "bfloat16" ? "bf16" : dtype;
+}
+
+std::string bytes_text(int64_t b) {
+  if (b <= 0) return "?";
+  if (b % (int64_t(1) << 20) == 0) return std::to_string(b >> 20) + " MiB";
+  return std::to_string(b >> 10) + " KiB";
+}
 
 int bench_command(const Options& o) {
   keep_freed_memory();
@@ -139,7 +211,9 @@ int bench_command(const Options& o) {
       {"rms_norm", rms_norm_cases},
       {"add_rms_norm", add_rms_norm_cases},
       {"apply_rotary", rotary_cases},
+      {"silu", silu_cases},
       {"silu_and_mul", silu_and_mul_cases},
+      {"swiglu", swiglu_cases},
       {"grouped_mm", grouped_mm_cases},
       {"experts", experts_cases},
       {"linear_cross_entropy", linear_cross_entropy_cases}};
@@ -149,8 +223,12 @@ int bench_command(const Options& o) {
     for (const auto& dt : dtypes)
       if (std::regex_search(op + "/" + dt, filter)) planned.push_back({&factory, dt});
 
+  const std::string start_level = cpu_level();
+  const std::vector<std::string> levels = levels_to_run(o.levels);
   const double copy = copy_gbps(o);
-  std::map<std::string, double> peak;  // dense GFLOP/s per dtype, measured when a case does FLOPs
+  // Dense GFLOP/s per dtype, measured when a case does FLOPs: its dtype's and fp32's (the honest limit of a
+  // low-precision case computed in fp32).
+  std::map<std::string, double> peak;
   std::vector<Row> rows;
   for (size_t i = 0; i < planned.size(); ++i) {
     const auto& [factory, dt] = planned[i];
@@ -158,21 +236,38 @@ int bench_command(const Options& o) {
       Case c = build();
       if (!wanted(c.shape)) continue;
       std::vector<Impl> impls;
-      for (Impl& im : c.impls)
-        if (std::regex_search(c.op + "/" + c.pass + "/" + im.name, impl_filter))
+      std::vector<std::string> impl_levels;
+      for (Impl& im : c.impls) {
+        if (!std::regex_search(c.op + "/" + c.pass + "/" + im.name, impl_filter)) continue;
+        if (!runs_kernmap(im)) {
           impls.push_back(std::move(im));
+          impl_levels.emplace_back();
+          continue;
+        }
+        for (const std::string& level : levels) {
+          impls.push_back({im.name,
+                           [run = im.run, level] {
+                             set_cpu_level(level);
+                             run();
+                           },
+                           im.reps_cap});
+          impl_levels.push_back(level);
+        }
+      }
       c.impls = std::move(impls);
       if (c.impls.empty()) continue;
       if (progress)
         std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, planned.size(), c.op.c_str(),
                      c.pass.c_str(), dt.c_str(), c.shape.c_str());
-      if (c.flops > 0 && !peak.count(dt)) peak[dt] = dense_gflops(dt, o);
+      for (const std::string& d : {dt, std::string("float32")})
+        if (c.flops > 0 && !peak.count(d)) peak[d] = dense_gflops(d, o);
       Options co = o;
       if (c.max_reps > 0) {
         co.reps = std::min(o.reps, c.max_reps);
         co.warmup = std::min(o.warmup, 1);
       }
       const auto timings = time_interleaved(c.impls, co);
+      set_cpu_level(start_level);
       std::vector<std::string> names;
       for (const Impl& im : c.impls) names.push_back(im.name);
       // The closures hold the case's tensors (GBs of expert weights): drop them before the next case is
@@ -184,7 +279,7 @@ int bench_command(const Options& o) {
       kernmap::release_cached_memory();
       malloc_trim(0);
       for (size_t k = 0; k < names.size(); ++k) {
-        rows.push_back({c, names[k], timings[k]});
+        rows.push_back({c, names[k], impl_levels[k], timings[k]});
         // The dense row of a case measures the same peak again: the floor uses the better of the two
         // measurements (one slow calibration, e.g. a first MKL call, would otherwise flatter every row).
         if (names[k] == "dense" && c.flops > 0)
@@ -196,11 +291,27 @@ int bench_command(const Options& o) {
 
   auto gbps = [](const Row& r) { return r.c.bytes / (r.t.median_ms * 1e6); };
   auto gflops = [](const Row& r) { return r.c.flops / (r.t.median_ms * 1e6); };
-  // The floor: the larger of the FLOPs at the dense peak and the bytes at the copy bandwidth.
-  auto floor_ms = [&](const Row& r) {
-    const double compute = r.c.flops > 0 ? r.c.flops / (peak.at(r.c.dtype) * 1e6) : 0;
-    return std::max(compute, r.c.bytes / (copy * 1e6));
+  // The floor: the larger of the bytes at the copy bandwidth and the FLOPs at the fastest dense rate the
+  // row's level can use (an implementation outside kernmap, or whose products go through BLAS: the faster of
+  // the machine's fp32 and case-dtype rates).
+  auto floor_of = [&](const Row& r) {
+    Floor f{r.c.bytes / (copy * 1e6), "copy"};
+    if (r.c.flops <= 0) return f;
+    const bool level_bound = !r.level.empty() && r.c.level_bound_flops;
+    double compute = 0;
+    std::string source;
+    for (const std::string& d : {std::string("float32"), r.c.dtype}) {
+      if (!peak.count(d) || (level_bound && !level_computes_in(r.level, d))) continue;
+      const double ms = r.c.flops / (peak.at(d) * 1e6);
+      if (source.empty() || ms < compute) {
+        compute = ms;
+        source = "gemm " + short_dtype(d);
+      }
+    }
+    if (compute > f.ms) f = {compute, source};
+    return f;
   };
+  auto floor_ms = [&](const Row& r) { return floor_of(r).ms; };
   auto reference_ms = [&](const Row& r) {
     for (const Row& o2 : rows)
       if (o2.c.op == r.c.op && o2.c.pass == r.c.pass && o2.c.dtype == r.c.dtype && o2.c.shape == r.c.shape &&
@@ -208,6 +319,8 @@ int bench_command(const Options& o) {
         return o2.t.median_ms;
     return r.t.median_ms;
   };
+  const std::string model = cpu_model();
+  const CpuCaches caches = cpu_caches();
   if (o.json) {
     Json results = Json::array();
     for (const Row& r : rows) {
@@ -216,6 +329,9 @@ int bench_command(const Options& o) {
                   {"dtype", r.c.dtype},
                   {"shape", r.c.shape},
                   {"impl", r.impl},
+                  {"level", r.level.empty() ? Json(nullptr) : Json(r.level)},
+                  {"bytes", r.c.bytes},
+                  {"flops", r.c.flops},
                   {"median_ms", r.t.median_ms},
                   {"min_ms", r.t.min_ms},
                   {"max_ms", r.t.max_ms},
@@ -223,6 +339,7 @@ int bench_command(const Options& o) {
                   {"pct_of_copy", 100 * gbps(r) / copy},
                   {"speedup_vs_reference", reference_ms(r) / r.t.median_ms},
                   {"floor_ms", floor_ms(r)},
+                  {"floor_source", floor_of(r).source},
                   {"x_floor", r.t.median_ms / floor_ms(r)},
                   {"peak_bytes", r.t.peak_bytes}};
       if (r.c.flops > 0) row["gflops"] = gflops(r);
@@ -230,28 +347,38 @@ int bench_command(const Options& o) {
     }
     Json dense = Json::object();
     for (const auto& [dt, g] : peak) dense[dt] = g;
-    print_json({{"machine",
-                 {{"copy_gbps", copy},
-                  {"dense_gflops", dense},
-                  {"threads", at::get_num_threads()},
-                  {"cpu_level", cpu_level()}}},
-                {"results", results}});
+    print_json(
+        {{"machine",
+          {{"cpu_model", model},
+           {"cpu_level", start_level},
+           {"cpu_levels_supported", supported_cpu_levels()},
+           {"levels_run", levels},
+           {"caches",
+            {{"l1d_bytes", caches.l1d_bytes}, {"l2_bytes", caches.l2_bytes}, {"l3_bytes", caches.l3_bytes}}},
+           {"copy_gbps", copy},
+           {"dense_gflops", dense},
+           {"threads", at::get_num_threads()}}},
+         {"results", results}});
     return 0;
   }
-  std::printf("machine: copy bandwidth %.1f GB/s (read + write)", copy);
-  for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
   std::printf(
-      "; %d threads, CPU level %s; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), "
-      "medians\n\n",
-      at::get_num_threads(), cpu_level().c_str(), o.warmup, o.reps);
-  Table t{{"op", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s",
-           "floor ms", "x floor", "speedup", "peak MB"},
+      "machine: %s; CPU level %s (supported: %s; run: %s); caches L1d %s, L2 %s, L3 %s (one core's)\n",
+      model.c_str(), start_level.c_str(), join(supported_cpu_levels()).c_str(), join(levels).c_str(),
+      bytes_text(caches.l1d_bytes).c_str(), bytes_text(caches.l2_bytes).c_str(),
+      bytes_text(caches.l3_bytes).c_str());
+  std::printf("limits: copy bandwidth %.1f GB/s (read + write)", copy);
+  for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
+  std::printf("; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians\n\n",
+              at::get_num_threads(), o.warmup, o.reps);
+  Table t{{"op", "pass", "dtype", "shape", "impl", "level", "median ms", "min..max ms", "GB/s", "% copy",
+           "GFLOP/s", "floor ms", "floor by", "x floor", "speedup", "peak MB"},
           {}};
   for (const Row& r : rows)
-    t.rows.push_back({r.c.op, r.c.pass, r.c.dtype, r.c.shape, r.impl, fixed(r.t.median_ms, 3),
-                      fixed(r.t.min_ms, 2) + ".." + fixed(r.t.max_ms, 2), fixed(gbps(r), 1),
-                      fixed(100 * gbps(r) / copy, 1) + "%", r.c.flops > 0 ? fixed(gflops(r), 1) : "-",
-                      fixed(floor_ms(r), 2), fixed(r.t.median_ms / floor_ms(r), 2) + "x",
+    t.rows.push_back({r.c.op, r.c.pass, r.c.dtype, r.c.shape, r.impl, r.level.empty() ? "-" : r.level,
+                      fixed(r.t.median_ms, 3), fixed(r.t.min_ms, 2) + ".." + fixed(r.t.max_ms, 2),
+                      fixed(gbps(r), 1), fixed(100 * gbps(r) / copy, 1) + "%",
+                      r.c.flops > 0 ? fixed(gflops(r), 1) : "-", fixed(floor_ms(r), 2), floor_of(r).source,
+                      fixed(r.t.median_ms / floor_ms(r), 2) + "x",
                       fixed(reference_ms(r) / r.t.median_ms, 2) + "x", fixed(r.t.peak_bytes / 1e6, 1)});
   std::printf("%s", t.render().c_str());
   return 0;
@@ -274,13 +401,18 @@ Command add_bench_command(CLI::App& parent) {
            "the shapes to run (over \"[4096, 3584]\", \"E128 k8 H2048 I768 T256\" and the like)");
   add_text(*ops, "--impl", o->impl, "REGEX", "a regular expression",
            "the implementations to time (over \"experts/fwd+bwd/reference\" and the like)");
+  add_text(
+      *ops, "--levels", o->levels, "all|LIST", "all or a comma list of CPU levels",
+      "time kernmap's implementations at each of these CPU levels (all: every level this CPU runs, up to "
+      "KERNMAP_CPU_ISA's cap; default: the level in use)");
   // Every repetition runs the op once more and keeps its time: a hundred thousand of the fastest case take
   // minutes, of the MoE cases hours.
   add_integer(*ops, "--warmup", o->warmup, 0, 100000, "untimed runs of each implementation first");
   add_integer(*ops, "--reps", o->reps, 1, 100000,
               "timed runs of each implementation, whose median is reported");
-  auto check = [ops] {
+  auto check = [ops, o] {
     if (!ops->parsed()) throw UsageError("expected 'bench ops', got 'bench'");
+    (void)levels_to_run(o->levels);  // a bad --levels is refused before anything is measured
   };
   return {bench, check, [o] { return bench_command(*o); }};
 }

@@ -1,9 +1,11 @@
-// The public CPU-level functions (include/kernmap/cpu.h) over the run-time level choice of kernels/cpu/isa.h.
+// The public CPU functions (include/kernmap/cpu.h) over the run-time level choice of kernels/cpu/isa.h and
+// the cache sizes of kernels/cpu/cache.h.
 #include "kernmap/cpu.h"
 
 #include <optional>
 #include <stdexcept>
 
+#include "kernels/cpu/cache.h"
 #include "kernels/cpu/isa.h"
 
 namespace kernmap {
@@ -32,6 +34,15 @@ void set_cpu_level(const std::string& level) {
         "' (this CPU runs: " + names + ")");
   }
   cpu::set_level(*parsed);
+}
+
+CpuCaches cpu_caches() {
+  const cpu::CacheSizes& c = cpu::cache_sizes();
+  return {c.l1d, c.l2, c.l3};
+}
+
+std::string cpu_model() {
+  return cpu::cpu_model();
 }
 
 }  // namespace kernmap

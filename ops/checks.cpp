@@ -1,10 +1,8 @@
 #include "ops/checks.h"
 
-#include <unistd.h>
-
-#include <cstdio>
-
 #include <c10/util/Exception.h>
+
+#include "kernels/cpu/cache.h"
 
 namespace kernmap::ops {
 
@@ -100,27 +98,12 @@ int64_t row_grain(int64_t cols) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
 }
 
-namespace {
-
-int64_t read_last_level_cache_bytes() {
-  if (std::FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
-    long kib = 0;
-    char unit = 0;
-    const int n = std::fscanf(f, "%ld%c", &kib, &unit);
-    std::fclose(f);
-    if (n == 2 && kib > 0 && unit == 'K') return static_cast<int64_t>(kib) << 10;
-  }
-  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-  return l3 > 0 ? static_cast<int64_t>(l3) : int64_t{32} << 20;
-}
-
-}  // namespace
-
-// sysconf reports the whole socket's L3 on CPUs that split it between core complexes, where data does not
-// stay cached beyond the thread's own instance (docs/performance.md, "Streaming-store threshold").
+// cpu0's level-3 instance, not sysconf's L3 size, which is the whole socket's on CPUs that split it between
+// core complexes, where data does not stay cached beyond the thread's own instance (docs/performance.md,
+// "Streaming-store threshold").
 int64_t last_level_cache_bytes() {
-  static const int64_t bytes = read_last_level_cache_bytes();
-  return bytes;
+  const int64_t l3 = cpu::cache_sizes().l3;
+  return l3 > 0 ? l3 : int64_t{32} << 20;
 }
 
 bool stream_outputs(int64_t bytes) {

@@ -62,8 +62,8 @@ std::optional<std::string> needs_rank_at_least_1(const KernelInputs& inputs);
 /// Rows per at::parallel_for chunk so each chunk has at least ~32 K elements.
 int64_t row_grain(int64_t cols);
 
-/// The last-level cache one core can use: the size of cpu0's L3 instance from sysfs, else sysconf's L3 size,
-/// else 32 MiB. Read once.
+/// The last-level cache one core can use: the size of cpu0's L3 instance (kernels/cpu/cache.h: sysfs, else
+/// sysconf's L3 size), else 32 MiB. Read once.
 int64_t last_level_cache_bytes();
 
 /// Whether a call that reads and writes `bytes` in all should write its large outputs with streaming stores:

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <vector>
 
+#include "kernels/cpu/cache.h"
 #include "kernels/cpu/isa.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
@@ -89,15 +90,18 @@ std::vector<Task> blas_tiles(const std::vector<int64_t>& starts, int64_t cols) {
   return tasks;
 }
 
-// The backward's outer products keep a task's partial sums (rows x columns, fp32) in scratch: this many
-// elements (256 KiB) fit the level-2 cache next to the panel of the weight being streamed.
-constexpr int64_t kScratchElems = 64 * 1024;
+// The backward's outer products keep a task's partial sums (rows x columns, fp32) in scratch: as many
+// elements as fill the level-2 rule's bytes (kernels/cpu/cache.h, l2_block_bytes), which stay in L2 next to
+// the panel of the weight being streamed. Tasks only split output rows and columns: no sum changes with it.
+int64_t scratch_elems() {
+  return cpu::l2_block_bytes() / int64_t(sizeof(float));
+}
 // Columns of the outer-product kernels' register blocks.
 constexpr int64_t kBcastCols = 64;
 
 // Tasks of grad @ W (W [K, N] row-major): groups in row tiles of at most kRowTile rows (equal tiles, so a
 // group of 130 rows is not a tile of 128 and one of 2 that reads W again for little work), each in column
-// tiles of whole register blocks with rows x columns <= kScratchElems (all of N for small groups).
+// tiles of whole register blocks with rows x columns <= scratch_elems() (all of N for small groups).
 std::vector<Task> bcast_tiles(const std::vector<int64_t>& starts, int64_t N) {
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < starts.size(); ++e) {
@@ -105,7 +109,7 @@ std::vector<Task> bcast_tiles(const std::vector<int64_t>& starts, int64_t N) {
     if (rows == 0) continue;
     const int64_t row_tiles = (rows + kRowTile - 1) / kRowTile;
     const int64_t row_step = (rows + row_tiles - 1) / row_tiles;
-    const int64_t col_step = std::max(kBcastCols, kScratchElems / row_step / kBcastCols * kBcastCols);
+    const int64_t col_step = std::max(kBcastCols, scratch_elems() / row_step / kBcastCols * kBcastCols);
     for (int64_t r = s; r < s + rows; r += row_step)
       for (int64_t c = 0; c < N; c += col_step)
         tasks.push_back(
@@ -116,18 +120,17 @@ std::vector<Task> bcast_tiles(const std::vector<int64_t>& starts, int64_t N) {
 
 // Tasks of the weight gradients out[e] = x_e^T y_e ([M, N] per group): row tiles of each group's block over
 // all N columns; r0, r1 are rows of out[e]. A group whose reduction is long (its rows of y over
-// kShortReduction bytes: the kernel keeps partial sums of rows x N in scratch) takes tiles of rows x N <=
-// kScratchElems; a short one, computed in one pass, takes kShortReductionRows rows a task: each task packs
-// its rows of x^T and prepares each panel of y once for all of them (docs/performance.md, "Grouped products:
-// tasks and routing").
-constexpr int64_t kShortReduction = 256 * 1024;
+// the level-2 rule's bytes, l2_block_bytes, the kernel's reduction block: it keeps partial sums of rows x N
+// in scratch) takes tiles of rows x N <= scratch_elems(); a short one, computed in one pass, takes
+// kShortReductionRows rows a task: each task packs its rows of x^T and prepares each panel of y once for all
+// of them (docs/performance.md, "Grouped products: tasks and routing").
 constexpr int64_t kShortReductionRows = 512;
 std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t M, int64_t N,
                                     int64_t elem_size) {
-  const int64_t long_step = std::max<int64_t>(4, kScratchElems / std::max<int64_t>(N, 1) / 4 * 4);
+  const int64_t long_step = std::max<int64_t>(4, scratch_elems() / std::max<int64_t>(N, 1) / 4 * 4);
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < starts.size(); ++e) {
-    const bool short_reduction = (starts[e + 1] - starts[e]) * N * elem_size <= kShortReduction;
+    const bool short_reduction = (starts[e + 1] - starts[e]) * N * elem_size <= cpu::l2_block_bytes();
     const int64_t row_step = short_reduction ? std::max(long_step, kShortReductionRows) : long_step;
     for (int64_t r = 0; r < M; r += row_step)
       tasks.push_back({static_cast<int64_t>(e), r, std::min(r + row_step, M), 0, N});

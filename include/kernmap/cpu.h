@@ -4,6 +4,7 @@
 // including the instructions of the levels before it.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -21,5 +22,15 @@ KERNMAP_API std::vector<std::string> supported_cpu_levels();
 /// benchmarks compare levels this way). Throws std::invalid_argument naming the level and the supported ones
 /// when it is not a level name or this CPU cannot run it.
 KERNMAP_API void set_cpu_level(const std::string& level);
+
+/// Bytes of each data-cache level one core uses (its own instance of the level, as cpu0 sees it in sysfs,
+/// else sysconf); 0 where unknown. The CPU kernels' blocking and task sizes are derived from these.
+struct CpuCaches {
+  int64_t l1d_bytes = 0, l2_bytes = 0, l3_bytes = 0;
+};
+KERNMAP_API CpuCaches cpu_caches();
+
+/// The CPU's model name (/proc/cpuinfo "model name"), or "unknown".
+KERNMAP_API std::string cpu_model();
 
 }  // namespace kernmap

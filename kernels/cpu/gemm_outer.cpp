@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/cache.h"
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
@@ -16,11 +17,10 @@ constexpr int64_t kPrefetchRows = 8;
 constexpr int kBcastRows = 4;
 constexpr int kBcastVecs = 4;
 
-// Bytes of B per block of the reduction (rows of B's full-width column range): the block being computed and
-// the next one, fetched meanwhile, stay in a 1 MiB level-2 cache next to the partial sums
-// (docs/performance.md, "gemm_bcast reduction blocks"). The step count is a multiple of 8 (even: the paired
-// bf16 steps never straddle two blocks).
-constexpr int64_t kBlockBytes = 256 * 1024;
+// Bytes of B per block of the reduction (rows of B's full-width column range): the level-2 rule of
+// kernels/cpu/cache.h, l2_block_bytes (the block being computed and the next one, fetched meanwhile, stay in
+// L2 next to the partial sums). The step count is a multiple of 8 (even: the paired bf16 steps never straddle
+// two blocks); the block size only changes where partial sums are parked, not the order of any sum.
 
 // bf16 (dot-product instruction): a short reduction's panels (the weight gradients of small groups) are
 // interleaved once when at least this many row blocks read them; the long reductions of grad @ W (4 row
@@ -375,9 +375,9 @@ void panel_rows_any(int mr, const uint32_t* A, const uint16_t* panel, int64_t P,
   }
 }
 
-// C[M, N] = A[M, P] B[P, N], A's rows contiguous. The reduction goes in blocks of ~kBlockBytes of B (whole
-// rows of the N columns) while the next block is fetched in memory order; rows in as few blocks of up to
-// kPanelRows as cover M, as even as possible.
+// C[M, N] = A[M, P] B[P, N], A's rows contiguous. The reduction goes in blocks of ~l2_block_bytes() of B
+// (whole rows of the N columns) while the next block is fetched in memory order; rows in as few blocks of up
+// to kPanelRows as cover M, as even as possible.
 template <bool Stream>
 void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C,
                        int64_t ldc, int64_t M, int64_t N, int64_t P);
@@ -390,7 +390,7 @@ template <bool Stream>
 void outer_panels(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
                   int64_t M, int64_t N, int64_t P) {
   const int64_t widest =
-      std::max<int64_t>(kPanelCols, kBlockBytes / (2 * kPanelMinBlock) / kPanelCols * kPanelCols);
+      std::max<int64_t>(kPanelCols, l2_block_bytes() / (2 * kPanelMinBlock) / kPanelCols * kPanelCols);
   const int64_t chunks = (N + widest - 1) / widest;
   const int64_t chunk =
       ((N + chunks - 1) / chunks + kPanelCols - 1) / kPanelCols * kPanelCols;  // as even as possible
@@ -402,7 +402,7 @@ template <bool Stream>
 void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C,
                        int64_t ldc, int64_t M, int64_t N, int64_t P) {
   const int64_t tiles = (N + kPanelCols - 1) / kPanelCols, Np = tiles * kPanelCols;
-  const int64_t block_p = std::clamp<int64_t>(kBlockBytes / (N * 2) / 8 * 8, 16, 256);
+  const int64_t block_p = std::clamp<int64_t>(l2_block_bytes() / (N * 2) / 8 * 8, 16, 256);
   const int64_t step_p = P <= block_p ? std::max<int64_t>(P, 1) : block_p;
   float* sums = step_p < P ? scratch<float>(M * Np) : nullptr;
   // The interleaved block: tiles one line more than their size apart (not all in the same cache sets).
@@ -496,7 +496,7 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
   // gradient checks) in one pass. The sums are the same either way: each element adds its products in order
   // of p.
   const int64_t block_p =
-      std::clamp<int64_t>(kBlockBytes / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, 16, 256);
+      std::clamp<int64_t>(l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, 16, 256);
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
   Ac* sums = step_p < P && Nw > 0 ? scratch<Ac>(M * Nw) : nullptr;
   // A read across its rows (the weight gradients' x^T): copied once into M rows of P, so each register block

@@ -53,8 +53,13 @@ def test_bench_json_document(run_cli):
     out = run_cli("bench", "ops", "--json", "--filter", "^rms_norm/bfloat16", "--warmup", "0", "--reps", "1")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["machine"]["copy_gbps"] > 0 and doc["machine"]["threads"] >= 1 and doc["machine"]["cpu_level"]
-    assert doc["machine"]["dense_gflops"] == {}  # rms_norm does no FLOPs worth a GEMM peak
+    machine = doc["machine"]
+    assert machine["copy_gbps"] > 0 and machine["threads"] >= 1 and machine["cpu_level"]
+    assert machine["dense_gflops"] == {}  # rms_norm does no FLOPs worth a GEMM peak
+    assert machine["cpu_model"] and machine["cpu_level"] in machine["cpu_levels_supported"]
+    assert machine["levels_run"] == [machine["cpu_level"]]  # no --levels: the level in use
+    assert set(machine["caches"]) == {"l1d_bytes", "l2_bytes", "l3_bytes"}
+    assert all(v >= 0 for v in machine["caches"].values())
     rows = doc["results"]
     assert {(r["op"], r["pass"], r["impl"]) for r in rows} == {
         ("rms_norm", p, i) for p in ("fwd", "fwd+bwd") for i in ("kernmap", "reference")}
@@ -62,8 +67,54 @@ def test_bench_json_document(run_cli):
         assert r["dtype"] == "bfloat16" and r["shape"] == "[4096, 3584]"
         assert r["median_ms"] > 0 and r["gbps"] > 0 and r["floor_ms"] > 0 and "gflops" not in r
         assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["floor_source"] == "copy" and r["flops"] == 0
+        assert r["floor_ms"] == pytest.approx(r["bytes"] / (machine["copy_gbps"] * 1e6))
+        assert r["level"] == (machine["cpu_level"] if r["impl"] == "kernmap" else None)
         if r["impl"] == "reference":
             assert r["speedup_vs_reference"] == 1
+
+
+def supported_levels(run_cli):
+    return json.loads(run_cli("kernels", "--json").stdout)["cpu"]["supported"]
+
+
+def test_bench_levels_all_times_kernmap_at_each_level_up_to_the_cap(run_cli):
+    if "avx2" not in supported_levels(run_cli):
+        pytest.skip("this CPU runs no avx2")
+    out = run_cli("bench", "ops", "--json", "--filter", "^rms_norm/float32", "--levels", "all", "--warmup", "0",
+                  "--reps", "1", env={"KERNMAP_CPU_ISA": "avx2"})
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["machine"]["levels_run"] == ["baseline", "avx2"] and doc["machine"]["cpu_level"] == "avx2"
+    got = sorted((r["pass"], r["impl"], r["level"] or "") for r in doc["results"])
+    assert got == sorted((p, *il) for p in ("fwd", "fwd+bwd")
+                         for il in (("kernmap", "baseline"), ("kernmap", "avx2"), ("reference", "")))
+
+
+def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(run_cli):
+    # bf16 grouped products: at a level without bf16 dot products the compute floor is the fp32 GEMM rate,
+    # measured in the same run, whatever the bf16 GEMM rate.
+    levels = supported_levels(run_cli)
+    wanted = [lv for lv in ("avx2", "avx512", "avx512bf16") if lv in levels][-2:]
+    if not wanted:
+        pytest.skip("this CPU runs no avx2")
+    out = run_cli("bench", "ops", "--json", "--filter", "^grouped_mm/bfloat16", "--shape", "T256$",
+                  "--impl", "/fwd/(kernmap|dense)$", "--levels", ",".join(wanted), "--warmup", "0", "--reps", "1")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    dense, copy = doc["machine"]["dense_gflops"], doc["machine"]["copy_gbps"]
+    assert set(dense) == {"float32", "bfloat16"} and min(dense.values()) > 0
+    rows = doc["results"]
+    assert sorted(r["level"] or "" for r in rows) == sorted(["", *wanted])
+    for r in rows:
+        rates = {"gemm fp32": dense["float32"]}
+        if r["level"] in ("avx512bf16", None):  # bf16 dot products, or the dense row (not kernmap's kernels)
+            rates["gemm bf16"] = dense["bfloat16"]
+        source, rate = max(rates.items(), key=lambda kv: kv[1])
+        compute, memory = r["flops"] / (rate * 1e6), r["bytes"] / (copy * 1e6)
+        assert r["flops"] > 0 and r["floor_source"] == (source if compute > memory else "copy"), r
+        assert r["floor_ms"] == pytest.approx(max(compute, memory))
+        assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
 
 
 TINY = ["--preset", "qwen2-tiny", "--steps", 2, "--seq-len", 8, "--batch-size", 2, "--threads", 1]
@@ -136,7 +187,7 @@ OPTIONS = {
     ("kernels",): ["--json"],
     ("lock",): ["DIR"],
     ("bench",): ["ops"],
-    ("bench", "ops"): ["--json", "--filter", "--shape", "--impl", "--warmup", "--reps"],
+    ("bench", "ops"): ["--json", "--filter", "--shape", "--impl", "--levels", "--warmup", "--reps"],
     ("plan",): ["--preset", "--model", "--mode", "--device", "--json"],
     ("train",): COMMON + ["--save", "--save-every", "--resume"],
     ("align",): COMMON + ["--rtol"],
@@ -249,6 +300,10 @@ def test_command_line_mistakes_exit_2(run_cli, args, message):
      "--mode must be one of inference, training, inference+compile, training+compile, fallback, got 'train'"),
     (["bench", "ops", "--reps", "zero"], "--reps must be an integer in [1, 100000], got 'zero'"),
     (["bench", "ops", "--warmup", "-3"], "--warmup must be an integer in [0, 100000], got '-3'"),
+    (["bench", "ops", "--levels", "avx2,sse9"],
+     "--levels: unknown level 'sse9' (expected all or a comma list of baseline, avx2, avx512, avx512bf16)"),
+    (["bench", "ops", "--levels", "avx2,"],
+     "--levels: unknown level '' (expected all or a comma list of baseline, avx2, avx512, avx512bf16)"),
 ])
 def test_bad_values_name_the_option_the_value_and_what_is_expected(run_cli, args, message):
     command, rest = args[0], args[1:]
@@ -257,6 +312,13 @@ def test_bad_values_name_the_option_the_value_and_what_is_expected(run_cli, args
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stderr == f"kernmap {command}: {message}\n"
     assert out.stdout == ""
+
+
+def test_bench_levels_above_the_cap_are_refused(run_cli):
+    out = run_cli("bench", "ops", "--levels", "baseline,avx2", env={"KERNMAP_CPU_ISA": "baseline"})
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("kernmap bench: --levels: level 'avx2' cannot run in this process "
+                          "(it runs baseline; KERNMAP_CPU_ISA=baseline caps it)\n")
 
 
 def test_unknown_device_lists_the_device_types(run_cli):

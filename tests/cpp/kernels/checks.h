@@ -72,6 +72,7 @@ void cross_entropy_rows_match_float64_math(const Case& c);
 void ops_name_the_bad_argument(const Case& c);
 void the_level_is_active(const Case& c);
 void the_public_level_functions_name_and_set_it(const Case& c);
+void the_cache_reader_reads_sysfs(const Case& c);
 void fresh_allocations_are_nan(const Case& c);
 void an_unwritten_output_element_fails(const Case& c);
 

@@ -3,10 +3,16 @@
 #include <gtest/gtest-spi.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include "kernels/cpu/cache.h"
 #include "kernmap/cpu.h"
 #include "kernmap/ops.h"
 #include "tests/cpp/kernels/checks.h"
@@ -81,6 +87,44 @@ void the_public_level_functions_name_and_set_it(const Case&) {
   EXPECT_EQ(kernmap::cpu_level(), "baseline");  // a refused level changes nothing
   kernmap::set_cpu_level(previous);
   EXPECT_EQ(kernmap::cpu_level(), previous);
+}
+
+// The cache reader on a sysfs-shaped folder: data and unified caches by level, the instruction cache skipped,
+// sizes in K and M, an unreadable size left 0, the list ending at the first missing index; the public
+// functions give cpu0's figures, and the blocking rule reads them.
+void the_cache_reader_reads_sysfs(const Case&) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("kernmap_cache_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  auto cache = [&](int index, const char* level, const char* type, const char* size) {
+    const fs::path dir = root / ("index" + std::to_string(index));
+    fs::create_directories(dir);
+    std::ofstream(dir / "level") << level << "\n";
+    std::ofstream(dir / "type") << type << "\n";
+    std::ofstream(dir / "size") << size << "\n";
+  };
+  cache(0, "1", "Data", "48K");
+  cache(1, "1", "Instruction", "32K");
+  cache(2, "2", "Unified", "2048K");
+  cache(3, "3", "Unified", "105M");
+  cache(5, "4", "Unified", "1K");  // after a gap: not read
+  kernmap::cpu::CacheSizes got = kernmap::cpu::read_cache_sizes(root.string(), false);
+  EXPECT_EQ(got.l1d, 48 << 10);
+  EXPECT_EQ(got.l2, 2048 << 10);
+  EXPECT_EQ(got.l3, int64_t{105} << 20);
+  cache(3, "3", "Unified", "lots");
+  EXPECT_EQ(kernmap::cpu::read_cache_sizes(root.string(), false).l3, 0);
+  fs::remove_all(root);
+  EXPECT_EQ(kernmap::cpu::read_cache_sizes(root.string(), false).l1d, 0);  // no folder: nothing known
+
+  const kernmap::CpuCaches pub = kernmap::cpu_caches();
+  const kernmap::cpu::CacheSizes& own = kernmap::cpu::cache_sizes();
+  EXPECT_EQ(pub.l1d_bytes, own.l1d);
+  EXPECT_EQ(pub.l2_bytes, own.l2);
+  EXPECT_EQ(pub.l3_bytes, own.l3);
+  EXPECT_FALSE(kernmap::cpu_model().empty());
+  // The level-2 blocking rule: a quarter of one core's L2, of 1 MiB where unknown.
+  EXPECT_EQ(kernmap::cpu::l2_block_bytes(), (own.l2 > 0 ? own.l2 : int64_t{1} << 20) / 4);
 }
 
 void fresh_allocations_are_nan(const Case& c) {

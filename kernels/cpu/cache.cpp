@@ -1,0 +1,86 @@
+#include "kernels/cpu/cache.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+namespace kernmap::cpu {
+namespace {
+
+bool read_line(const std::string& path, std::string& out) {
+  std::ifstream f(path);
+  return static_cast<bool>(std::getline(f, out));
+}
+
+// "48K", "2048K", "32M" (sysfs writes K; M and a bare byte count are accepted too); 0 when malformed.
+int64_t parse_size(const std::string& text) {
+  long long n = 0;
+  char unit = 0;
+  const int got = std::sscanf(text.c_str(), "%lld%c", &n, &unit);
+  if (got < 1 || n <= 0) return 0;
+  if (got == 1) return n;
+  switch (unit) {
+    case 'K':
+      return n << 10;
+    case 'M':
+      return n << 20;
+    case 'G':
+      return n << 30;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
+CacheSizes read_cache_sizes(const std::string& root, bool sysconf_fallback) {
+  CacheSizes out;
+  // index0..: one folder per cache of the CPU; a gap ends the list (sysfs numbers them densely).
+  for (int i = 0;; ++i) {
+    const std::string dir = root + "/index" + std::to_string(i) + "/";
+    std::string level, type, size;
+    if (!read_line(dir + "level", level)) break;
+    if (!read_line(dir + "type", type) || !read_line(dir + "size", size) || type == "Instruction") continue;
+    const int64_t bytes = parse_size(size);
+    if (level == "1") out.l1d = bytes;
+    if (level == "2") out.l2 = bytes;
+    if (level == "3") out.l3 = bytes;
+  }
+  if (sysconf_fallback) {
+    auto from_sysconf = [](int64_t& field, int name) {
+      const long v = sysconf(name);
+      if (field <= 0 && v > 0) field = v;
+    };
+    from_sysconf(out.l1d, _SC_LEVEL1_DCACHE_SIZE);
+    from_sysconf(out.l2, _SC_LEVEL2_CACHE_SIZE);
+    from_sysconf(out.l3, _SC_LEVEL3_CACHE_SIZE);
+  }
+  return out;
+}
+
+const CacheSizes& cache_sizes() {
+  static const CacheSizes sizes = read_cache_sizes("/sys/devices/system/cpu/cpu0/cache");
+  return sizes;
+}
+
+int64_t l2_block_bytes() {
+  static const int64_t bytes = (cache_sizes().l2 > 0 ? cache_sizes().l2 : int64_t{1} << 20) / 4;
+  return bytes;
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const size_t start = line.find_first_not_of(" \t", colon + 1);
+    if (start != std::string::npos) return line.substr(start);
+  }
+  return "unknown";
+}
+
+}  // namespace kernmap::cpu

@@ -1,0 +1,35 @@
+// What the CPU kernels' blocking rules and the benchmark's machine line read about the CPU: the sizes of the
+// data caches one core uses, and the model name. Compiled once (not per level).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace kernmap::cpu {
+
+/// Bytes of each data-cache level as cpu0 sees it: its own instance of the level (on CPUs that split the
+/// level-3 cache between core complexes, one complex's share, not the socket's total); 0 where unknown.
+struct CacheSizes {
+  int64_t l1d = 0, l2 = 0, l3 = 0;
+};
+
+/// Reads a sysfs cache folder's layout under `root` (index*/level, index*/type, index*/size: "48K", "2048K",
+/// "32M"); the data and unified caches count, instruction caches do not. A level missing there is filled from
+/// sysconf (_SC_LEVEL1_DCACHE_SIZE and the like) when `sysconf_fallback`.
+CacheSizes read_cache_sizes(const std::string& root, bool sysconf_fallback = true);
+
+/// cpu0's caches (/sys/devices/system/cpu/cpu0/cache, else sysconf), read once.
+const CacheSizes& cache_sizes();
+
+/// The blocking rule for the level-2 cache: the bytes of the operand a blocked kernel streams that it keeps
+/// in flight per core, a quarter of one core's L2 (of 1 MiB where the size is unknown). The block being
+/// computed and the next one, fetched meanwhile, take half of it; the partial sums beside them and the other
+/// operand's lines the rest. Read by the grouped backward's reduction blocks (kernels/cpu/gemm_outer.cpp) and
+/// its task sizes (ops/grouped_mm.cpp); docs/performance.md, "gemm_bcast reduction blocks", has the
+/// measurements.
+int64_t l2_block_bytes();
+
+/// The first "model name" of /proc/cpuinfo ("AMD EPYC 9654 96-Core Processor"), or "unknown".
+std::string cpu_model();
+
+}  // namespace kernmap::cpu
