@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -31,20 +30,6 @@
 
 namespace kernmap {
 namespace {
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      size_t start = colon == std::string::npos ? line.size() : colon + 1;
-      while (start < line.size() && std::isspace(static_cast<unsigned char>(line[start]))) ++start;
-      return line.substr(start);
-    }
-  utsname u{};
-  return ::uname(&u) == 0 ? u.machine : "unknown";
-}
 
 std::string figure(double v) {
   char text[32];
