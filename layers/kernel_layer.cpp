@@ -9,6 +9,7 @@
 
 #include "kernmap/layers.h"
 #include "kernmap/memory.h"
+#include "layers/verify.h"
 
 namespace kernmap {
 namespace {
@@ -87,18 +88,7 @@ std::string KernelLayer::dtype_name(const at::Tensor& t) {
 }
 
 std::string KernelLayer::dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return "float32";
-    case at::kBFloat16:
-      return "bfloat16";
-    case at::kHalf:
-      return "float16";
-    case at::kDouble:
-      return "float64";
-    default:
-      return c10::toString(t);
-  }
+  return verify::dtype_name(t);
 }
 
 // ---- RMSNorm ----

@@ -48,16 +48,6 @@ std::string lower(std::string text) {
   return text;
 }
 
-void write_whole(const std::string& path, const std::string& text) {
-  try {
-    repository::AtomicFile file(path);
-    file.write(text);
-    file.commit();
-  } catch (const repository::WriteError& e) {
-    throw std::runtime_error(e.what());
-  }
-}
-
 }  // namespace
 
 TuneMachine tune_machine(const std::string& device) {
@@ -119,7 +109,7 @@ std::string write_tune_files(const TuneResult& result, const std::string& path) 
   }
   const std::string side = (file.parent_path() / (file.stem().string() + ".tune.json")).string();
   write_mapping_file(path, header, sections);
-  write_whole(side, result.json() + "\n");
+  repository::write_file_atomically(side, result.json() + "\n");
   return side;
 }
 

@@ -80,14 +80,7 @@ std::string mapping_file_text(const std::string& path, const std::vector<std::st
 
 void write_mapping_file(const std::string& path, const std::vector<std::string>& header,
                         const std::vector<MappingFileSection>& sections) {
-  const std::string text = mapping_file_text(path, header, sections);
-  try {
-    repository::AtomicFile file(path);
-    file.write(text);
-    file.commit();
-  } catch (const repository::WriteError& e) {
-    throw std::runtime_error(e.what());
-  }
+  repository::write_file_atomically(path, mapping_file_text(path, header, sections));
 }
 
 }  // namespace kernmap
