@@ -11,8 +11,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kernmap.train import ablate
+from kernmap.train.distributed import Parallel
+from kernmap.train.models import Models, Setup, Source
 
 FAST = ["--steps", "2", "--warmup", "1", "--seq-len", "16", "--batch-size", "2", "--threads", "1"]
 
@@ -56,6 +59,48 @@ def test_one_row_at_a_time_gives_the_same_rows_and_losses():
         assert a["final_loss"] == b["final_loss"], a["name"]  # each row trains its own copy on the same batches
     code, text = run_ablate("--preset", "qwen2-tiny", *FAST, "--one-at-a-time")
     assert code == 0 and "rows one at a time (not interleaved)" in text.splitlines()[0]
+
+
+def test_released_models_load_each_copy_from_the_source():
+    source = Source(preset="qwen2-tiny")
+    models = Models(source.load(), Parallel(), source=source)
+    first = {k: v.clone() for k, v in models.make(Setup())[0].state_dict().items()}
+    models.release()
+    assert all(p.device.type == "meta" for p in models.base.parameters())  # the loaded weights are freed
+    assert models.base.config.model_type == "qwen2"  # what the tables print stays
+    for _ in range(2):  # every copy made after release is a fresh load equal to the first copy
+        copy = models.make(Setup())[0].state_dict()
+        assert copy.keys() == first.keys()
+        assert all(torch.equal(copy[k], first[k]) for k in first)
+    with pytest.raises(ValueError, match="no source"):
+        Models(source.load(), Parallel()).release()
+
+
+def test_fused_adamw_rows():
+    code, text = run_ablate("--preset", "qwen2-tiny", *FAST, "--kernels", "RMSNorm", "--json")
+    single = json.loads(text)
+    code_f, text_f = run_ablate("--preset", "qwen2-tiny", *FAST, "--kernels", "RMSNorm", "--optim",
+                                "adamw_torch_fused", "--json")
+    fused = json.loads(text_f)
+    assert code == code_f == 0 and single["optim"] == "adamw_torch" and fused["optim"] == "adamw_torch_fused"
+    for a, b in zip(fused["rows"], single["rows"], strict=True):  # the same training, another AdamW kernel
+        assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-4), a["name"]
+    assert fused["rows"][0]["final_loss"] == pytest.approx(fused["rows"][1]["final_loss"], rel=1e-5)
+    code, text = run_ablate("--preset", "qwen2-tiny", *FAST, "--optim", "adamw_torch_fused")
+    assert code == 0 and text.splitlines()[0].startswith("ablate qwen2-tiny (qwen2, float32)")
+    assert ", adamw_torch_fused" in text.splitlines()[0]
+
+
+def test_fused_adamw_is_torch_fused_adamw():
+    from kernmap.train.trainer import Trainer, TrainOptions
+    from kernmap.train.data import synthetic_dataset
+
+    model = Source(preset="qwen2-tiny").load()
+    data = synthetic_dataset(model.config.vocab_size, 4, 8)
+    fused = Trainer(model, data, TrainOptions(optim="adamw_torch_fused"), Parallel(), 0).optimizer
+    single = Trainer(model, data, TrainOptions(), Parallel(), 0).optimizer
+    assert fused.defaults["fused"] is True and not fused.defaults["foreach"]
+    assert single.defaults["foreach"] is False and not single.defaults["fused"]
 
 
 def test_dense_table_and_compile_rows():

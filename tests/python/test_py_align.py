@@ -212,6 +212,7 @@ def test_command_lines_that_cannot_run_exit_2(args, message, capsys):
     (["--preset", "qwen2-tiny", "--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
     (["--preset", "qwen2-tiny", "--steps", "0"], "argument --steps: must be a whole number from 1 to 1000000"),
     (["--preset", "qwen2-tiny", "--model", "x"], "not allowed with argument --preset"),
+    (["--preset", "qwen2-tiny", "--optim", "sgd"], "argument --optim: invalid choice: 'sgd'"),
 ])
 def test_bad_values_exit_2_naming_the_option(args, message):
     out = subprocess.run([sys.executable, "-m", "kernmap", "align", *args], capture_output=True, text=True,

@@ -11,6 +11,7 @@ rows hold)."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ def ablate(session: Session) -> list[Row]:
             row.cpu_seconds.append(log.cpu_seconds)
 
     if args.one_at_a_time:
+        session.models.release()  # each row loads its own copy: one model in memory, not two
         for k, row in enumerate(rows):
             t = trainer(row)
             for s in range(total):
@@ -104,6 +106,7 @@ def ablate(session: Session) -> list[Row]:
                 if progress:
                     progress(k * total + s + 1, len(rows) * total)
             del t
+            gc.collect()  # the row's model and optimizer state go before the next row's load
         return rows
     trainers = [trainer(r) for r in rows]
     for s in range(total):
@@ -125,6 +128,7 @@ def to_json(session: Session, rows: list[Row]) -> dict:
                     "cpu_speedup_pct": (base["median_cpu_s"] / st["median_cpu_s"] - 1) * 100,
                     "peak_bytes": r.peak_bytes, "final_loss": r.final_loss, "seconds": r.seconds})
     return {"model": session.source.name, "parallel": {"kind": session.parallel.kind, "world": session.parallel.world},
+            "optim": session.options.optim,
             "interleaved": not session.args.one_at_a_time,
             "experts_implementation": session.models.default_experts, "rows": out}
 

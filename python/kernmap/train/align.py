@@ -99,6 +99,7 @@ def to_json(session: Session, result: AlignResult) -> dict:
            "max_grad_norm_rel": main.grad_norm.max_diff, "kernels": kernels_json(result.report),
            "noise_kernels": {r.layer: r.kernel for r in (result.noise_report.rows if result.noise_report else [])},
            "parallel": {"kind": session.parallel.kind, "world": session.parallel.world},
+           "optim": session.options.optim,
            "lora": None if session.models.lora is None else vars(session.models.lora),
            "gradient_checkpointing": session.models.gradient_checkpointing,
            "experts_implementation": session.models.default_experts,

@@ -142,6 +142,17 @@ class Models:
     lora: Lora | None = None
     gradient_checkpointing: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend for the +compile runs
+    source: Source | None = None  # where base came from: release() lets make() load each copy from it again
+    released: bool = False
+
+    def release(self) -> None:
+        """Frees the loaded weights (the base keeps its structure and config on the meta device); from now on
+        make() loads every copy from the source again, as the first load did (the same seed or files), instead
+        of copying the base: one model in memory instead of two, for a model of which two copies do not fit."""
+        if self.source is None:
+            raise ValueError("Models.release: no source to load the copies from")
+        self.base = self.base.to("meta")
+        self.released = True
 
     @property
     def pad_id(self) -> int:
@@ -158,7 +169,7 @@ class Models:
     def make(self, setup: Setup) -> tuple[nn.Module, kernmap.Report | None]:
         """A fresh copy of the loaded model set up for one run, and its kernelize report (None when no layer is
         selected: the model as transformers runs it)."""
-        model = copy.deepcopy(self.base)
+        model = self.source.load() if self.released else copy.deepcopy(self.base)
         if setup.experts is not None:
             model.set_experts_implementation(setup.experts)
         if self.lora is not None:

@@ -9,6 +9,7 @@ import math
 
 from .distributed import PARALLEL
 from .models import DTYPES
+from .trainer import OPTIMIZERS
 
 EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
@@ -74,6 +75,10 @@ def parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=real(positive=True), default=1e-3)
     p.add_argument("--weight-decay", type=real(positive=False), default=0.01)
     p.add_argument("--max-grad-norm", type=real(positive=True), default=1.0)
+    p.add_argument("--optim", choices=OPTIMIZERS, default="adamw_torch",
+                   help="AdamW as transformers' Trainer names it: adamw_torch, torch's single-tensor AdamW (the C++ "
+                        "command's arithmetic), or adamw_torch_fused, its fused kernel (the Trainer's default from "
+                        "torch 2.8; no temporaries the size of a parameter)")
     p.add_argument("--threads", type=integer(0, 1024), default=0, help="torch intra-op threads, 0 for torch's default")
     p.add_argument("--device", default="cpu", help="torch device type (default cpu)")
     p.add_argument("--lora-r", type=integer(0, 65536), default=0, help="peft LoRA rank (0: no LoRA)")
@@ -97,7 +102,8 @@ def parser(command: str) -> argparse.ArgumentParser:
                             "(eager, grouped_mm, batched_mm)")
         p.add_argument("--one-at-a-time", action="store_true",
                        help="train the rows one after another, one copy of the model (and its optimizer state) "
-                            "in memory at a time, for models of which a copy per row does not fit; the rows are "
+                            "in memory at a time (each row loads its copy from the source again), for models of "
+                            "which a copy per row does not fit; the rows are "
                             "then not interleaved, so drift of the machine between rows is not evened out")
     return p
 

@@ -35,6 +35,8 @@ class Session:
         if self.models.lora is not None:
             lora = self.models.lora
             text += f", LoRA r {lora.r} alpha {lora.alpha:g} on {lora.target}"
+        if self.options.optim != "adamw_torch":
+            text += f", {self.options.optim}"
         if self.models.gradient_checkpointing:
             text += ", gradient checkpointing"
         if self.parallel.kind != "none":
@@ -58,7 +60,7 @@ def open_session(args: argparse.Namespace) -> Session:
     source = Source(preset=args.preset, model_dir=args.model, config_path=args.config, dtype=args.dtype)
     base = source.load()
     lora = Lora(args.lora_r, args.lora_alpha, args.lora_target) if args.lora_r > 0 else None
-    models = Models(base, parallel, lora, args.gradient_checkpointing, args.compile_backend)
+    models = Models(base, parallel, lora, args.gradient_checkpointing, args.compile_backend, source)
     vocab = base.config.vocab_size
     if args.data:
         data = read_jsonl(args.data, vocab, args.skip_bad_lines)
@@ -67,5 +69,5 @@ def open_session(args: argparse.Namespace) -> Session:
                 sys.stderr.write(f"{args.data}: line {issue.line} skipped: {issue.problem}\n")
     else:
         data = synthetic_dataset(vocab, args.examples, args.seq_len)
-    options = TrainOptions(args.batch_size, args.lr, args.weight_decay, args.max_grad_norm)
+    options = TrainOptions(args.batch_size, args.lr, args.weight_decay, args.max_grad_norm, args.optim)
     return Session(args, parallel, source, models, data, layers, options)

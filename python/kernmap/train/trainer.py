@@ -13,6 +13,8 @@ from torch import nn
 from .data import Dataset, Example, batch_examples, make_batch
 from .distributed import Parallel
 
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")  # transformers' TrainingArguments.optim names
+
 
 @dataclass
 class TrainOptions:
@@ -22,6 +24,7 @@ class TrainOptions:
     lr: float = 1e-3
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
+    optim: str = "adamw_torch"  # one of OPTIMIZERS
 
 
 @dataclass
@@ -56,9 +59,12 @@ class Trainer:
         self.model, self.data, self.options, self.parallel = model, data, options, parallel
         self.pad_id = pad_id
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # The single-tensor path (foreach=False): the arithmetic the C++ AdamW repeats.
+        # adamw_torch: the single-tensor path (foreach=False), the arithmetic the C++ AdamW repeats; it makes two
+        # temporaries the size of the largest parameter. adamw_torch_fused: one pass per parameter, none.
+        fused = options.optim == "adamw_torch_fused"
         self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, betas=(0.9, 0.999), eps=1e-8,
-                                           weight_decay=options.weight_decay, foreach=False)
+                                           weight_decay=options.weight_decay, foreach=False if not fused else None,
+                                           fused=fused or None)
         self.steps = 0
         model.train()
 
