@@ -123,15 +123,17 @@ def forward_backward(fn, inputs: list[torch.Tensor], grad: torch.Tensor, params=
 
 
 def forward_backward_pair(fn, inputs: list[torch.Tensor], grads: tuple[torch.Tensor, torch.Tensor],
-                          n_grad: int) -> Callable[[], None]:
-    """fwd+bwd of a two-output fn, gradients for both outputs; the first n_grad inputs require grad."""
+                          n_grad: int, params=()) -> Callable[[], None]:
+    """fwd+bwd of a two-output fn, gradients for both outputs; the first n_grad inputs and params require grad.
+    The gradients are returned (torch.autograd.grad), not accumulated into leaves: in a model these inputs are
+    other layers' outputs, and a leaf's AccumulateGrad would copy a gradient that reaches two leaves (the
+    residual add's, which x and the residual share) — a copy no decoder layer makes."""
     inputs = [t.detach().clone().requires_grad_(i < n_grad) for i, t in enumerate(inputs)]
+    wrt = [*inputs[:n_grad], *params]
 
     def run():
         a, b = fn(*inputs)
-        torch.autograd.backward([a, b], list(grads))
-        for t in inputs[:n_grad]:
-            t.grad = None
+        torch.autograd.grad([a, b], wrt, list(grads))
     return run
 
 
@@ -194,7 +196,7 @@ def add_rms_norm_cases(dtype: torch.dtype, scale: float) -> list[Case]:
     return [
         Case("FusedAddRMSNorm", "fwd", str(dtype)[6:], shape, 4 * n, [Impl(k, forward(f, x, r)) for k, f in impls]),
         Case("FusedAddRMSNorm", "fwd+bwd", str(dtype)[6:], shape, 8 * n,
-             [Impl(k, forward_backward_pair(f, [x, r], (gy, gs), 2)) for k, f in impls]),
+             [Impl(k, forward_backward_pair(f, [x, r], (gy, gs), 2, (w,))) for k, f in impls]),
     ]
 
 
@@ -270,13 +272,8 @@ def decoder_layer_cases(dtype: torch.dtype, scale: float) -> list[Case]:
         params = list(layer.parameters())
 
         def impl(fused):
-            run = forward_backward_pair(lambda a, b, f=_decoder_step(layer, fused): f(a, b, pe), [x, r], grads, 2)
-
-            def clear():
-                run()
-                for p in params:
-                    p.grad = None
-            return clear
+            return forward_backward_pair(lambda a, b, f=_decoder_step(layer, fused): f(a, b, pe), [x, r], grads, 2,
+                                         params)
 
         e = x.element_size()
         cases.append(Case("DecoderLayer", "fwd+bwd", str(dtype)[6:], f"{name} [{T}, {config.hidden_size}]",

@@ -57,8 +57,22 @@ def test_one_row_at_a_time_gives_the_same_rows_and_losses():
     for a, b in zip(one["rows"], interleaved["rows"], strict=True):
         assert len(a["seconds"]) == 2 and a["peak_bytes"] > 0
         assert a["final_loss"] == b["final_loss"], a["name"]  # each row trains its own copy on the same batches
+        assert b["peak_rss_bytes"] is None  # interleaved rows share the process: no peak of their own
+        # the process's own peak while the row ran: at least torch's libraries and the row's tensors
+        assert a["peak_rss_bytes"] > max(ablate.peak_rss() / 4, a["peak_bytes"]), a["name"]
     code, text = run_ablate("--preset", "qwen2-tiny", *FAST, "--one-at-a-time")
     assert code == 0 and "rows one at a time (not interleaved)" in text.splitlines()[0]
+    assert "peak RSS MiB" in text and "peak RSS: the process's peak resident memory" in text
+
+
+def test_peak_rss_resets_to_what_the_process_holds():
+    assert ablate.reset_peak_rss()
+    held = ablate.peak_rss()
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB touched
+    grown = ablate.peak_rss()
+    del block
+    assert grown >= held + (60 << 20)
+    assert ablate.reset_peak_rss() and ablate.peak_rss() < grown - (32 << 20)  # the freed block left the peak
 
 
 def test_released_models_load_each_copy_from_the_source():

@@ -36,6 +36,7 @@ class Row:
     seconds: list[float] = field(default_factory=list)
     cpu_seconds: list[float] = field(default_factory=list)
     peak_bytes: float = 0.0
+    peak_rss_bytes: float | None = None  # --one-at-a-time: the process's peak resident memory during the row
     final_loss: float = 0.0
 
     def stats(self) -> dict:
@@ -54,6 +55,29 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(v) - 1)
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def reset_peak_rss() -> bool:
+    """Resets the process's resident-memory high-water mark (Linux: 5 to /proc/self/clear_refs); False where
+    it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> float | None:
+    """The process's resident-memory high-water mark in bytes (VmHWM), None where it is not readable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def plan_rows(session: Session) -> list[Row]:
@@ -100,13 +124,15 @@ def ablate(session: Session) -> list[Row]:
     if args.one_at_a_time:
         session.models.release()  # each row loads its own copy: one model in memory, not two
         for k, row in enumerate(rows):
+            gc.collect()  # the previous row's model and optimizer state go before this row's load
+            resettable = reset_peak_rss()
             t = trainer(row)
             for s in range(total):
                 step(row, t, s)
                 if progress:
                     progress(k * total + s + 1, len(rows) * total)
+            row.peak_rss_bytes = peak_rss() if resettable else None
             del t
-            gc.collect()  # the row's model and optimizer state go before the next row's load
         return rows
     trainers = [trainer(r) for r in rows]
     for s in range(total):
@@ -126,7 +152,8 @@ def to_json(session: Session, rows: list[Row]) -> dict:
         out.append({"name": r.name, "experts": r.experts, **st,
                     "speedup_pct": (base["median_s"] / st["median_s"] - 1) * 100,
                     "cpu_speedup_pct": (base["median_cpu_s"] / st["median_cpu_s"] - 1) * 100,
-                    "peak_bytes": r.peak_bytes, "final_loss": r.final_loss, "seconds": r.seconds})
+                    "peak_bytes": r.peak_bytes, "peak_rss_bytes": r.peak_rss_bytes, "final_loss": r.final_loss,
+                    "seconds": r.seconds})
     return {"model": session.source.name, "parallel": {"kind": session.parallel.kind, "world": session.parallel.world},
             "optim": session.options.optim,
             "interleaved": not session.args.one_at_a_time,
@@ -146,13 +173,22 @@ def print_human(session: Session, rows: list[Row]) -> None:
     data = to_json(session, rows)["rows"]
     header = ["kernels", "median ms/step", "spread (p25-p75) ms", "min ms", "speedup %", "cpu ms/step",
               "cpu speedup %", "peak MiB", "final loss"]
+    rss = args.one_at_a_time  # one row in the process at a time: its peak resident memory is its own
+    if rss:
+        header.insert(-1, "peak RSS MiB")
     table = []
     for i, r in enumerate(data):
         name = r["name"] + (f" (experts {default})" if i == 0 and default is not None else "")
-        table.append([name, fixed(r["median_s"] * 1e3, 1), f"{fixed(r['p25_s'] * 1e3, 1)}-{fixed(r['p75_s'] * 1e3, 1)}",
-                      fixed(r["min_s"] * 1e3, 1), pct(r["speedup_pct"]), fixed(r["median_cpu_s"] * 1e3, 1),
-                      pct(r["cpu_speedup_pct"]), fixed(r["peak_bytes"] / (1 << 20), 1), fixed(r["final_loss"], 4)])
+        line = [name, fixed(r["median_s"] * 1e3, 1), f"{fixed(r['p25_s'] * 1e3, 1)}-{fixed(r['p75_s'] * 1e3, 1)}",
+                fixed(r["min_s"] * 1e3, 1), pct(r["speedup_pct"]), fixed(r["median_cpu_s"] * 1e3, 1),
+                pct(r["cpu_speedup_pct"]), fixed(r["peak_bytes"] / (1 << 20), 1), fixed(r["final_loss"], 4)]
+        if rss:
+            line.insert(-1, "-" if r["peak_rss_bytes"] is None else fixed(r["peak_rss_bytes"] / (1 << 20), 1))
+        table.append(line)
     session.say(render(header, table))
+    if rss:
+        session.say("peak RSS: the process's peak resident memory while the row loaded its copy and trained "
+                    "(torch and transformers included)\n")
 
 
 def main(argv: list[str]) -> int:
