@@ -271,7 +271,7 @@ def decoder_layer_cases(dtype: torch.dtype, scale: float) -> list[Case]:
         grads = (torch.randn_like(x), torch.randn_like(x))
         params = list(layer.parameters())
 
-        def impl(fused):
+        def impl(fused, pe=pe, x=x, r=r, grads=grads, params=params, layer=layer):  # this size's, not the last's
             return forward_backward_pair(lambda a, b, f=_decoder_step(layer, fused): f(a, b, pe), [x, r], grads, 2,
                                          params)
 
