@@ -10,14 +10,16 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-// The row a pass reads: x itself, or with Add (the fused residual add) round_X(x + res).
+// The row a pass reads: x itself, or with Add (the fused residual add) round_X(x + res). A block with Add is
+// x + res before that rounding: the forward stores the sum (store rounds) and rounds it for the norm, and
+// the two share one conversion.
 template <bool Add, class X>
 struct Source {
   const X* x;
   const X* res;
   Vec<Acc<X>> block(int64_t i) const {
     if constexpr (Add) {
-      return round_block<X>(load<Acc<X>>(x + i) + load<Acc<X>>(res + i));
+      return load<Acc<X>>(x + i) + load<Acc<X>>(res + i);
     } else {
       return load<Acc<X>>(x + i);
     }
@@ -80,6 +82,7 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
       V h = src.block(i);
       if constexpr (Add) {
         store_out<Stream>(sr + i, h);
+        h = round_block<X>(h);
         store(hrow + i, h);
       }
       acc += h * h;

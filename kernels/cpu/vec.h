@@ -223,9 +223,12 @@ inline Packed16 pack16(VF v, BFloat16) {
 #elif defined(__AVX512F__)
   return _mm512_cvtepi32_epi16((__m512i)(bf16_round_high(v) >> 16));
 #else
-  // The arithmetic shift sign-extends the high half, so the signed saturating pack keeps it unchanged.
-  __m256i h = _mm256_srai_epi32((__m256i)bf16_round_high(v), 16);
-  return _mm_packs_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  // Each lane's high half gathered into the low 8 bytes of its 128-bit half, then the two halves' 8 bytes
+  // joined: two shuffles (a shift, an extract and a pack took three).
+  const __m256i high = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6,
+                                        7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i h = _mm256_shuffle_epi8((__m256i)bf16_round_high(v), high);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(h, 0x08));
 #endif
 }
 inline Packed16 pack16(VF v, Float16) {
