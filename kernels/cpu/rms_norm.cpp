@@ -10,14 +10,16 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-// The row a pass reads: x itself, or with Add (the fused residual add) round_X(x + res).
+// The row a pass reads: x itself, or with Add (the fused residual add) round_X(x + res). A block with Add is
+// x + res before that rounding: the forward stores the sum (store rounds) and rounds it for the norm, and
+// the two share one conversion.
 template <bool Add, class X>
 struct Source {
   const X* x;
   const X* res;
   Vec<Acc<X>> block(int64_t i) const {
     if constexpr (Add) {
-      return round_block<X>(load<Acc<X>>(x + i) + load<Acc<X>>(res + i));
+      return load<Acc<X>>(x + i) + load<Acc<X>>(res + i);
     } else {
       return load<Acc<X>>(x + i);
     }
@@ -28,6 +30,10 @@ struct Source {
     } else {
       return to_acc<Acc<X>>(x[i]);
     }
+  }
+  void prefetch_block(int64_t i) const {
+    prefetch(x + i);
+    if constexpr (Add) prefetch(res + i);
   }
 };
 
@@ -40,11 +46,13 @@ A* row_scratch(int64_t n) {
   return buf.data();
 }
 
-// The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X).
-template <bool Stream, class X, class S, class Y>
-void normalize_row(const S& src, const Acc<X>* w, Y* y, Acc<X> rs, int64_t H) {
+// The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X), fetching the row
+// the first pass reads next (the first pass is light enough to run at memory speed; this one is not).
+template <bool Stream, class X, class S, class N, class Y>
+void normalize_row(const S& src, const N& next, const Acc<X>* w, Y* y, Acc<X> rs, int64_t H) {
   const int64_t Hb = H - H % kBlock;
   for (int64_t i = 0; i < Hb; i += kBlock) {
+    next.prefetch_block(i);
     Vec<Acc<X>> n = round_block<X>(src.block(i) * rs);
     store_out<Stream>(y + i, load<Acc<X>>(w + i) * n);
   }
@@ -65,6 +73,8 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
   A* hrow = Add ? row_scratch<A>(H) : nullptr;
   for (int64_t r = r0; r < r1; ++r) {
     const Source<Add, X> src{x + r * xs, Add ? res + r * res_s : nullptr};
+    const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
+    const Source<Add, X> next{x + rn * xs, Add ? res + rn * res_s : nullptr};
     Y* yr = y + r * H;
     X* sr = Add ? sum + r * H : nullptr;
     V acc{};
@@ -72,6 +82,7 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
       V h = src.block(i);
       if constexpr (Add) {
         store_out<Stream>(sr + i, h);
+        h = round_block<X>(h);
         store(hrow + i, h);
       }
       acc += h * h;
@@ -88,9 +99,9 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
     const A rs = A(1) / std::sqrt(ss / static_cast<A>(H) + static_cast<A>(eps));
     rstd[r] = rs;
     if constexpr (Add) {
-      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, w, yr, rs, H);
+      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, next, w, yr, rs, H);
     } else {
-      normalize_row<Stream, X>(src, w, yr, rs, H);
+      normalize_row<Stream, X>(src, next, w, yr, rs, H);
     }
   }
 }
@@ -112,9 +123,11 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     const X* dsr = Add ? d_sum + r * d_sum_s : nullptr;
     const X* xr = x + r * xs;
     X* dxr = dx + r * H;
+    const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
     const A rs = rstd[r];
     V acc{};
     for (int64_t i = 0; i < Hb; i += kBlock) {
+      if constexpr (Add) prefetch(dsr + i);
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
       V g = round_block<X>(d * load<A>(w + i));
@@ -133,6 +146,8 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     }
     const A c = rs * rs * rs * dot / static_cast<A>(H);
     for (int64_t i = 0; i < Hb; i += kBlock) {
+      prefetch(dy + rn * dys + i);
+      prefetch(x + rn * xs + i);
       V h = load<A>(xr + i);
       V g = load<A>(grow + i);
       if constexpr (Add) {

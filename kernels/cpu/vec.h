@@ -150,14 +150,26 @@ inline VD load_native(const double* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-// A bf16 is the high half of a float: widen each 16-bit lane and shift it up.
+// A bf16 is the high half of a float: each 16-bit lane moves to the high half of a 32-bit lane, the low half
+// cleared, in one shuffle (not a zero-extension and a shift: the elementwise kernels' bf16 rows are bound by
+// their instructions per element, docs/performance.md, "bf16 elementwise rows").
+#if defined(__AVX512F__)
+inline VF widen_bf16(__m256i v) {
+  // Word 2j + 1 of the result takes word j of v; the even words, masked off, are zero.
+  const __m512i from = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5,
+                                        0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+  return (VF)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, from, _mm512_castsi256_si512(v));
+}
+#endif
 inline VF load_native(const BFloat16* p) {
 #if defined(__AVX512F__)
-  return (VF)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-                               16);
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__AVX2__)
-  return (VF)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                               16);
+  // The eight words in both 128-bit halves (a plain load), then a shuffle within each half: -1 clears a byte.
+  const __m256i from = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7, -1, -1, 8, 9,
+                                        -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+  return (VF)_mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), from);
 #else
   return (VF)_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 #endif
@@ -211,9 +223,12 @@ inline Packed16 pack16(VF v, BFloat16) {
 #elif defined(__AVX512F__)
   return _mm512_cvtepi32_epi16((__m512i)(bf16_round_high(v) >> 16));
 #else
-  // The arithmetic shift sign-extends the high half, so the signed saturating pack keeps it unchanged.
-  __m256i h = _mm256_srai_epi32((__m256i)bf16_round_high(v), 16);
-  return _mm_packs_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  // Each lane's high half gathered into the low 8 bytes of its 128-bit half, then the two halves' 8 bytes
+  // joined: two shuffles (a shift, an extract and a pack took three).
+  const __m256i high = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6,
+                                        7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i h = _mm256_shuffle_epi8((__m256i)bf16_round_high(v), high);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(h, 0x08));
 #endif
 }
 inline Packed16 pack16(VF v, Float16) {
@@ -243,6 +258,15 @@ inline void store_native(Float16* p, VF v) {
 #else
   for (int j = 0; j < kBlock; ++j) p[j] = to_f16(v[j]);
 #endif
+}
+
+/// Asks for the cache line holding p now, to be read soon (a hint: it never faults, and costs one load slot).
+/// For the next row of a two-pass row kernel, fetched during the current row's compute-bound pass: the
+/// hardware prefetchers run only a few lines ahead of the loads they see, so the next row would otherwise
+/// wait on memory with nothing to overlap.
+template <class T>
+inline void prefetch(const T* p) {
+  __builtin_prefetch(p, 0, 3);
 }
 
 /// kBlock elements of p as a block of A.
@@ -329,7 +353,7 @@ inline V round_block(V v) {
   if constexpr (std::is_same_v<T, BFloat16>) {
 #if defined(__AVX512BF16__)
     // Subnormals become zero, as in store_native.
-    return (VF)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16);
+    return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
 #else
     return (VF)(bf16_round_high(v) & 0xffff0000u);
 #endif
