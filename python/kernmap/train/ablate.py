@@ -7,7 +7,7 @@ row before step s+1 of any, in an order that rotates each step) so that machine 
 per row does not fit. Per
 row: the median step time after warm-up, the spread, the speedup over the original, CPU time, and the peak
 memory of a step (kernmap's count of CPU memory in tensors, reset before each step: per row, whatever the other
-rows hold)."""
+rows hold) and, with --one-at-a-time, the process's peak resident memory while the row ran."""
 
 from __future__ import annotations
 
