@@ -17,6 +17,7 @@
 #include "cli/commands.h"
 #include "cli/json_output.h"
 #include "cli/options.h"
+#include "cli/sample.h"
 #include "cli/table.h"
 #include "kernmap/models.h"
 #include "kernmap/registry.h"
@@ -48,14 +49,8 @@ Report verified_plan(const PlanArgs& a) {
   if (a.device != "cpu")
     throw UsageError("--verify runs the sample step on this machine's CPU: --device must be cpu, got '" +
                      a.device + "'");
-  const at::TensorOptions options =
-      at::TensorOptions().dtype(a.dtype == "float32" ? at::kFloat : at::kBFloat16);
-  const auto model =
-      a.preset.empty() ? from_pretrained(a.model_dir, options) : make_preset(a.preset, options);
-  const int64_t vocab = model->config().vocab_size;
-  const train::Dataset data = a.data_path.empty() ? train::synthetic_dataset(vocab, a.batch_size, a.seq_len)
-                                                  : train::read_jsonl(a.data_path, vocab, false);
-  return kernelize(*model, a.device, a.mode, true, train::sample_step(*model, data, a.batch_size));
+  const SampleModel s = load_sample(a.preset, a.model_dir, a.dtype, a.data_path, a.batch_size, a.seq_len);
+  return kernelize(*s.model, a.device, a.mode, true, s.step);
 }
 
 // The device names plan accepts: torch's device types as torch.device spells them (c10's names, the

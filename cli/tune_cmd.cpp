@@ -14,6 +14,7 @@
 #include "cli/commands.h"
 #include "cli/json_output.h"
 #include "cli/options.h"
+#include "cli/sample.h"
 #include "cli/table.h"
 #include "kernmap/models.h"
 #include "kernmap/train.h"
@@ -49,15 +50,8 @@ void check_out(const std::string& out) {
 
 int tune_command(const TuneArgs& a) {
   if (a.threads > 0) at::set_num_threads(static_cast<int>(a.threads));
-  const at::TensorOptions options =
-      at::TensorOptions().dtype(a.dtype == "float32" ? at::kFloat : at::kBFloat16);
-  const auto model =
-      a.preset.empty() ? from_pretrained(a.model_dir, options) : make_preset(a.preset, options);
-  const int64_t vocab = model->config().vocab_size;
-  const train::Dataset data = a.data_path.empty() ? train::synthetic_dataset(vocab, a.batch_size, a.seq_len)
-                                                  : train::read_jsonl(a.data_path, vocab, false);
-  const TuneResult result =
-      tune(*model, "cpu", train::sample_step(*model, data, a.batch_size), TuneOptions{a.warmup, a.reps});
+  const SampleModel s = load_sample(a.preset, a.model_dir, a.dtype, a.data_path, a.batch_size, a.seq_len);
+  const TuneResult result = tune(*s.model, "cpu", s.step, TuneOptions{a.warmup, a.reps});
   const std::string side = a.out.empty() ? "" : write_tune_files(result, a.out);
   if (a.json) {
     Json doc = Json::parse(result.json());
@@ -69,7 +63,7 @@ int tune_command(const TuneArgs& a) {
   std::printf(
       "tune %s (%s), data %s, batch %lld; forward+backward medians of %lld runs after %lld warm-up, "
       "candidates interleaved\n\n",
-      a.preset.empty() ? a.model_dir.c_str() : a.preset.c_str(), a.dtype.c_str(), data.source.c_str(),
+      a.preset.empty() ? a.model_dir.c_str() : a.preset.c_str(), a.dtype.c_str(), s.data_source.c_str(),
       static_cast<long long>(a.batch_size), static_cast<long long>(a.reps), static_cast<long long>(a.warmup));
   std::fputs(result.table().c_str(), stdout);
   if (!a.out.empty())

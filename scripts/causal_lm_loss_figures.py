@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from kernmap.train.ablate import peak_rss, reset_peak_rss
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BATCH = 2
 LR = 1e-2
@@ -43,16 +45,15 @@ def qwen2_half_b_two_layers(tokens: int):
 
 
 def peak_rss_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak resident set size (VmHWM) to the current one
+    if not reset_peak_rss():
+        raise RuntimeError("cannot reset the peak resident set size (/proc/self/clear_refs)")
 
 
 def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    peak = peak_rss()
+    if peak is None:
+        raise RuntimeError("no VmHWM in /proc/self/status")
+    return int(peak)
 
 
 def worker(conn, dtype_name: str, run: str, tokens: int) -> None:
