@@ -9,6 +9,7 @@
 // repetitions), interleaved with the other implementations, which run once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <CLI/CLI.hpp>
 
@@ -46,6 +47,15 @@ struct Options {
   int warmup = 3;
   int reps = 11;
 };
+
+// The vector width a kernmap level and a torch (ATen) capability have in common, to compare the two: 0 for
+// kernmap's baseline and ATen's DEFAULT, 1 for AVX2, 2 for AVX-512 (with or without BF16).
+int level_rank(const std::string& level) {
+  return level == "baseline" ? 0 : level == "avx2" ? 1 : 2;
+}
+int torch_rank(const std::string& capability) {
+  return capability == "AVX512" ? 2 : capability == "AVX2" ? 1 : 0;
+}
 
 // The levels --levels names, lowest first, checked against those this process can run: the CPU's supported
 // levels up to the one in use at start (KERNMAP_CPU_ISA caps it). Throws UsageError naming the level and the
@@ -224,6 +234,9 @@ int bench_command(const Options& o) {
       if (std::regex_search(op + "/" + dt, filter)) planned.push_back({&factory, dt});
 
   const std::string start_level = cpu_level();
+  // torch's own kernels dispatch on their own level (ATEN_CPU_CAPABILITY caps it, read once per process):
+  // KERNMAP_CPU_ISA and --levels change kernmap's only.
+  const std::string torch_level = at::get_cpu_capability();
   const std::vector<std::string> levels = levels_to_run(o.levels);
   const double copy = copy_gbps(o);
   // Dense GFLOP/s per dtype, measured when a case does FLOPs: its dtype's and fp32's (the honest limit of a
@@ -353,6 +366,7 @@ int bench_command(const Options& o) {
            {"cpu_level", start_level},
            {"cpu_levels_supported", supported_cpu_levels()},
            {"levels_run", levels},
+           {"torch_cpu_capability", torch_level},
            {"caches",
             {{"l1d_bytes", caches.l1d_bytes}, {"l2_bytes", caches.l2_bytes}, {"l3_bytes", caches.l3_bytes}}},
            {"copy_gbps", copy},
@@ -362,10 +376,20 @@ int bench_command(const Options& o) {
     return 0;
   }
   std::printf(
-      "machine: %s; CPU level %s (supported: %s; run: %s); caches L1d %s, L2 %s, L3 %s (one core's)\n",
+      "machine: %s; CPU level %s (supported: %s; run: %s); torch's ops at %s; caches L1d %s, L2 %s, L3 %s (one "
+      "core's)\n",
       model.c_str(), start_level.c_str(), join(supported_cpu_levels()).c_str(), join(levels).c_str(),
-      bytes_text(caches.l1d_bytes).c_str(), bytes_text(caches.l2_bytes).c_str(),
+      torch_level.c_str(), bytes_text(caches.l1d_bytes).c_str(), bytes_text(caches.l2_bytes).c_str(),
       bytes_text(caches.l3_bytes).c_str());
+  for (const std::string& level : levels)
+    if (level_rank(level) < torch_rank(torch_level)) {
+      std::printf(
+          "note: torch's own ops (the reference, a separate add) run at %s, above level %s: to time a CPU of "
+          "that level, set ATEN_CPU_CAPABILITY too (avx2, or default for baseline; docs/performance.md, "
+          "\"Emulating another CPU\")\n",
+          torch_level.c_str(), level.c_str());
+      break;
+    }
   std::printf("limits: copy bandwidth %.1f GB/s (read + write)", copy);
   for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
   std::printf("; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians\n\n",

@@ -6,6 +6,7 @@ what is expected (exit code 2), never a crash or a backtrace."""
 import json
 
 import pytest
+import torch
 
 
 def decisions(doc):
@@ -59,6 +60,7 @@ def test_bench_json_document(run_cli):
     assert machine["cpu_model"] and machine["cpu_level"] in machine["cpu_levels_supported"]
     assert machine["levels_run"] == [machine["cpu_level"]]  # no --levels: the level in use
     assert set(machine["caches"]) == {"l1d_bytes", "l2_bytes", "l3_bytes"}
+    assert machine["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert all(v >= 0 for v in machine["caches"].values())
     rows = doc["results"]
     assert {(r["op"], r["pass"], r["impl"]) for r in rows} == {
@@ -72,6 +74,20 @@ def test_bench_json_document(run_cli):
         assert r["level"] == (machine["cpu_level"] if r["impl"] == "kernmap" else None)
         if r["impl"] == "reference":
             assert r["speedup_vs_reference"] == 1
+
+
+@pytest.mark.parametrize("aten", ["default", None])
+def test_bench_names_torchs_level_and_says_when_a_kernmap_level_is_below_it(run_cli, aten):
+    """Capping kernmap at baseline leaves torch's ops (the reference, a separate add) at torch's own level: the
+    header says so unless ATEN_CPU_CAPABILITY caps torch too."""
+    env = {"KERNMAP_CPU_ISA": "baseline", **({"ATEN_CPU_CAPABILITY": aten} if aten else {})}
+    out = run_cli("bench", "ops", "--filter", "^rms_norm/float32", "--impl", "fwd/kernmap", "--warmup", "0",
+                  "--reps", "1", env=env)
+    assert out.returncode == 0, out.stderr
+    torch_level = "DEFAULT" if aten else torch.backends.cpu.get_cpu_capability()
+    assert f"torch's ops at {torch_level};" in out.stdout
+    noted = "set ATEN_CPU_CAPABILITY too" in out.stdout
+    assert noted == (torch_level != "DEFAULT")
 
 
 def supported_levels(run_cli):
