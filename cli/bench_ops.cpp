@@ -376,7 +376,8 @@ int bench_command(const Options& o) {
     return 0;
   }
   std::printf(
-      "machine: %s; CPU level %s (supported: %s; run: %s); torch's ops at %s; caches L1d %s, L2 %s, L3 %s (one "
+      "machine: %s; CPU level %s (supported: %s; run: %s); torch's ops at %s; caches L1d %s, L2 %s, L3 %s "
+      "(one "
       "core's)\n",
       model.c_str(), start_level.c_str(), join(supported_cpu_levels()).c_str(), join(levels).c_str(),
       torch_level.c_str(), bytes_text(caches.l1d_bytes).c_str(), bytes_text(caches.l2_bytes).c_str(),
