@@ -1,12 +1,12 @@
 // Small-M matrix products in "NT" form for the grouped expert products of the forward pass, both operands
 // K-contiguous (nn.Linear layout). Compiled once per instruction-set level.
 //
-// AVX-512 levels: the transposed ("lanes") form. A's rows (a small group, at most 32 per pass) are packed
-// once per call into a lane layout, 8 rows per 256-bit register; B's rows are streamed once, front to back,
-// each element broadcast against all the group's rows: accumulators hold C^T[n, 8 rows], fed by one FMA
-// (fp32) or one vdpbf16ps (bf16 pairs) per B element and 8-row group. Each weight byte is read once from
-// memory, with software prefetch ahead; A stays in cache. Other levels (and float64): dot products along K in
-// 4x4 blocks.
+// AVX2 and AVX-512 levels: the transposed ("lanes") form. A's rows (a small group, at most 32 per pass with
+// AVX-512's 32 vector registers, 16 with AVX2's 16) are packed once per call into a lane layout, 8 rows per
+// 256-bit register; B's rows are streamed once, front to back, each element broadcast against all the group's
+// rows: accumulators hold C^T[n, 8 rows], fed by one FMA (fp32) or one vdpbf16ps (bf16 pairs, avx512bf16) per
+// B element and 8-row group. Each weight byte is read once from memory, with software prefetch ahead; A stays
+// in cache. Other levels, dtypes and float64: dot products along K in register blocks.
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
@@ -19,8 +19,23 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-constexpr int kMr = 4;
-constexpr int kNr = 4;
+// The dot-product blocks' MR x NR accumulators, plus MR vectors of A and NR of B, fit the level's vector
+// registers (an accumulator that spills costs a load and a store per FMA): 4 x 4 + 8 = 24 of AVX-512's 32,
+// 3 x 3 + 6 = 15 of the 16 below it. One measured exception: 16-bit elements at baseline, whose 4 x 4 block
+// ran faster spilled than the 3 x 3 one, which widens more loads per product (docs/performance.md, "gemm_nt
+// lanes form").
+#if defined(__AVX512F__)
+template <class T>
+inline constexpr int kMr = 4;
+#elif defined(__AVX2__)
+template <class T>
+inline constexpr int kMr = 3;
+#else
+template <class T>
+inline constexpr int kMr = sizeof(T) == 2 ? 4 : 3;
+#endif
+template <class T>
+inline constexpr int kNr = kMr<T>;
 
 // Scalar math: C[m, n] = round(sum_k float(A[m, k]) * float(B[n, k]))
 template <class T, int MR, int NR>
@@ -95,25 +110,33 @@ void any_block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t l
 template <class T>
 void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
           int64_t K) {
-  const int64_t Mb = M - M % kMr, Nb = N - N % kNr;
-  for (int64_t n = 0; n < Nb; n += kNr) {
-    for (int64_t m = 0; m < Mb; m += kMr)
-      any_block<T, kMr, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+  constexpr int MR = kMr<T>, NR = kNr<T>;
+  const int64_t Mb = M - M % MR, Nb = N - N % NR;
+  for (int64_t n = 0; n < Nb; n += NR) {
+    for (int64_t m = 0; m < Mb; m += MR)
+      any_block<T, MR, NR>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
     for (int64_t m = Mb; m < M; ++m)
-      any_block<T, 1, kNr>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
+      any_block<T, 1, NR>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
   }
   for (int64_t n = Nb; n < N; ++n)
     for (int64_t m = 0; m < M; ++m)
       any_block<T, 1, 1>(A + m * lda, lda, B + n * ldb, ldb, C + m * ldc + n, ldc, K);
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 // ---- The lanes form -------------------------------------------------------------------------------------
 
 // Rows per accumulator register: ymm, the same FMA throughput as zmm on Zen 4, and a finer step for uneven
 // groups (docs/performance.md, "gemm_nt lanes form").
 constexpr int kLanes = 8;
-constexpr int kMaxGroups = 4;  // 8-row groups per pass over B: up to 32 rows
+// 8-row groups per pass over B: the block's kBlockCols x G accumulators, G vectors of A and one broadcast fit
+// the level's vector registers: 6 x 4 + 5 = 29 of AVX-512's 32 (up to 32 rows), 6 x 2 + 3 = 15 of AVX2's 16
+// (up to 16 rows; a larger group makes a second pass, over B rows the first left in L2).
+#if defined(__AVX512F__)
+constexpr int kMaxGroups = 4;
+#else
+constexpr int kMaxGroups = 2;
+#endif
 // Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
 // block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2.
 constexpr int kPrefetchBytes = 256;
@@ -259,15 +282,18 @@ void lanes_rows(const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t ro
 template <class P, class WT, class T>
 void lanes_rows_any(int G, const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols,
                     T* C, int64_t ldc) {
-  switch (G) {
-    case 1:
-      return lanes_rows<1>(packed, W, ldw, K, rows, cols, C, ldc);
-    case 2:
-      return lanes_rows<2>(packed, W, ldw, K, rows, cols, C, ldc);
-    case 3:
-      return lanes_rows<3>(packed, W, ldw, K, rows, cols, C, ldc);
-    default:
-      return lanes_rows<4>(packed, W, ldw, K, rows, cols, C, ldc);
+  if (G <= 1) return lanes_rows<1>(packed, W, ldw, K, rows, cols, C, ldc);
+  if constexpr (kMaxGroups == 2) {
+    return lanes_rows<2>(packed, W, ldw, K, rows, cols, C, ldc);
+  } else {
+    switch (G) {
+      case 2:
+        return lanes_rows<2>(packed, W, ldw, K, rows, cols, C, ldc);
+      case 3:
+        return lanes_rows<3>(packed, W, ldw, K, rows, cols, C, ldc);
+      default:
+        return lanes_rows<4>(packed, W, ldw, K, rows, cols, C, ldc);
+    }
   }
 }
 
@@ -313,7 +339,13 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
 // does per element).
 // Four dot-product rows spill registers and run slower than a lane group (docs/performance.md, "gemm_nt
 // lanes form").
+// Below AVX-512 a dot-product block of more than one row over kBlockCols columns spills (2 x 6 + 8 = 20 of 16
+// registers): only a single leftover row goes that way.
+#if defined(__AVX512F__)
 constexpr int64_t kDotRows = 3;
+#else
+constexpr int64_t kDotRows = 1;
+#endif
 
 template <class T>
 void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
@@ -363,8 +395,10 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
     const T* W = B + n0 * ldb;
     pass(W, ldb, n0, cols);
     if (tail == 1) dot_rows<T, 1>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-    if (tail == 2) dot_rows<T, 2>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-    if (tail == 3) dot_rows<T, 3>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
+    if constexpr (kDotRows >= 3) {
+      if (tail == 2) dot_rows<T, 2>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
+      if (tail == 3) dot_rows<T, 3>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
+    }
   }
 }
 #endif
@@ -375,7 +409,7 @@ void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_
              int64_t ldb, void* C, int64_t ldc) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #if defined(__AVX512BF16__)
     constexpr bool kLanesForm = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
 #else

@@ -14,8 +14,16 @@ namespace KERNMAP_CPU_LEVEL {
 namespace {
 
 constexpr int64_t kPrefetchRows = 8;
+// Register block: MR x NV accumulators, NV vectors of B's row and A's broadcast scalar fit the level's vector
+// registers (an accumulator that spills costs a load and a store per FMA): 4 x 4 + 4 + 1 = 21 of AVX-512's
+// 32; 6 x 2 + 2 + 1 = 15 of the 16 below it.
+#if defined(__AVX512F__)
 constexpr int kBcastRows = 4;
 constexpr int kBcastVecs = 4;
+#else
+constexpr int kBcastRows = 6;
+constexpr int kBcastVecs = 2;
+#endif
 
 // Bytes of B per block of the reduction (rows of B's full-width column range): the level-2 rule of
 // kernels/cpu/cache.h, l2_block_bytes (the block being computed and the next one, fetched meanwhile, stay in
@@ -462,22 +470,22 @@ void bcast_tail(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
     }
 }
 
+// Calls block(std::integral_constant<int, R>{}, m) for the R in [1, kBcastRows) equal to `rows`.
+template <int R, class Block>
+void leftover_block(int64_t rows, int64_t m, Block&& block) {
+  if constexpr (R < kBcastRows) {
+    if (rows == R) return block(std::integral_constant<int, R>{}, m);
+    leftover_block<R + 1>(rows, m, block);
+  }
+}
+
 // One column block of NV vectors for rows [0, M): row blocks of kBcastRows, then one block of the remaining
-// 1-3 rows (a block per leftover row would read B once per row).
+// rows (a block per leftover row would read B once per row).
 template <class Block>
 void row_blocks(int64_t M, Block&& block) {
   const int64_t Mb = M - M % kBcastRows;
   for (int64_t m = 0; m < Mb; m += kBcastRows) block(std::integral_constant<int, kBcastRows>{}, m);
-  switch (M - Mb) {
-    case 1:
-      return block(std::integral_constant<int, 1>{}, Mb);
-    case 2:
-      return block(std::integral_constant<int, 2>{}, Mb);
-    case 3:
-      return block(std::integral_constant<int, 3>{}, Mb);
-    default:
-      return;
-  }
+  leftover_block<1>(M - Mb, Mb, block);
 }
 
 template <class T, bool Stream>

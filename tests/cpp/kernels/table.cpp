@@ -96,13 +96,13 @@ void experts_match_reference(const Case& c) {
   }
 }
 
-// The gemm_bcast cases: rows around the 4-row register block, columns around the 16-lane vector and 64-column
-// block, reduction lengths around the bf16 pairs, and reductions long enough to be split into blocks (2048
-// columns: blocks of 32 fp32 / 64 bf16 steps; 130 columns: blocks of 256 steps); then bf16 long reductions
-// (more than 64 steps, A's pairs in its rows): interleaved 32-column panels and row blocks of up to 12 rows,
-// rows around the blocks, columns around the 32-column tile, an odd step alone at the end of a reduction
-// split into blocks of 256 steps (257) or not split (65); columns in two chunks of 576 and 524 with 128-step
-// blocks (1100 x 301).
+// The gemm_bcast cases: rows around the 4-row (AVX-512) and 6-row (below it) register blocks, columns around
+// the 16-lane vector and 64-column block, reduction lengths around the bf16 pairs, and reductions long enough
+// to be split into blocks (2048 columns: blocks of 32 fp32 / 64 bf16 steps; 130 columns: blocks of 256
+// steps); then bf16 long reductions (more than 64 steps, A's pairs in its rows): interleaved 32-column panels
+// and row blocks of up to 12 rows, rows around the blocks, columns around the 32-column tile, an odd step
+// alone at the end of a reduction split into blocks of 256 steps (257) or not split (65); columns in two
+// chunks of 576 and 524 with 128-step blocks (1100 x 301).
 std::vector<Shape> gemm_bcast_shapes() {
   std::vector<Shape> out;
   auto add = [&](int64_t M, int64_t N, int64_t P, std::string layout) {
@@ -144,7 +144,8 @@ bool fp64_past(const Case& c, int64_t P) {
   return c.dtype == at::kDouble && c["P"] > P;
 }
 
-// Group sizes around the small-group kernel's 8-row groups, 32-row passes and dot-product rows.
+// Group sizes around the small-group kernel's 8-row groups, 16-row (AVX2) and 32-row (AVX-512) passes and
+// dot-product rows.
 const std::vector<int64_t> kSmallGroups = {0,  1,  2,  3,  4,  5,  7,  8,  9,  10, 11, 12, 13, 15, 16, 17, 18,
                                            19, 20, 23, 24, 25, 31, 32, 33, 34, 35, 40, 41, 47, 48, 57, 63, 0};
 
