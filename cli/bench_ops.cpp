@@ -377,20 +377,17 @@ int bench_command(const Options& o) {
   }
   std::printf(
       "machine: %s; CPU level %s (supported: %s; run: %s); torch's ops at %s; caches L1d %s, L2 %s, L3 %s "
-      "(one "
-      "core's)\n",
+      "(one core's)\n",
       model.c_str(), start_level.c_str(), join(supported_cpu_levels()).c_str(), join(levels).c_str(),
       torch_level.c_str(), bytes_text(caches.l1d_bytes).c_str(), bytes_text(caches.l2_bytes).c_str(),
       bytes_text(caches.l3_bytes).c_str());
-  for (const std::string& level : levels)
-    if (level_rank(level) < torch_rank(torch_level)) {
-      std::printf(
-          "note: torch's own ops (the reference, a separate add) run at %s, above level %s: to time a CPU of "
-          "that level, set ATEN_CPU_CAPABILITY too (avx2, or default for baseline; docs/performance.md, "
-          "\"Emulating another CPU\")\n",
-          torch_level.c_str(), level.c_str());
-      break;
-    }
+  // levels_to_run lists the levels lowest first.
+  if (!levels.empty() && level_rank(levels.front()) < torch_rank(torch_level))
+    std::printf(
+        "note: torch's own ops (the reference, a separate add) run at %s, above level %s: to time a CPU of "
+        "that level, set ATEN_CPU_CAPABILITY too (avx2, or default for baseline; docs/performance.md, "
+        "\"Emulating another CPU\")\n",
+        torch_level.c_str(), levels.front().c_str());
   std::printf("limits: copy bandwidth %.1f GB/s (read + write)", copy);
   for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
   std::printf("; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians\n\n",
