@@ -1,7 +1,9 @@
 // RMSNorm forward and backward, alone and fused with the residual add in front of it (one row math for both),
 // compiled once per instruction-set level (KERNMAP_CPU_LEVEL names the level).
 // Each pass reads a row from memory once; the second read of a row hits the cache (a row of H = 8192 fp32 is
-// 32 KiB).
+// 32 KiB). Compiled with -ffp-contract=off: every multiply-add is an explicit madd/nmadd, so the fused
+// residual add's outputs have the bits of the plain pass's at every level (GCC fused `ss += v * v` in one
+// instantiation and not in the other at avx2).
 #include <vector>
 
 #include "kernels/cpu/vec.h"
@@ -85,7 +87,7 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
         h = round_block<X>(h);
         store(hrow + i, h);
       }
-      acc += h * h;
+      acc = madd(h, h, acc);
     }
     A ss = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
@@ -94,7 +96,7 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
         sr[i] = from_acc<X>(v);
         hrow[i] = v;
       }
-      ss += v * v;
+      ss = madd(v, v, ss);
     }
     const A rs = A(1) / std::sqrt(ss / static_cast<A>(H) + static_cast<A>(eps));
     rstd[r] = rs;
@@ -131,8 +133,8 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
       V g = round_block<X>(d * load<A>(w + i));
-      acc += g * h;
-      store(dw + i, load<A>(dw + i) + d * round_block<X>(h * rs));
+      acc = madd(g, h, acc);
+      store(dw + i, madd(d, round_block<X>(h * rs), load<A>(dw + i)));
       store(grow + i, g);
     }
     A dot = lane_sum(acc);
@@ -140,8 +142,8 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       A h = to_acc<A>(xr[i]);
       A d = to_acc<A>(dyr[i]);
       A g = round_to<X>(d * w[i]);
-      dot += g * h;
-      dw[i] += d * round_to<X>(h * rs);
+      dot = madd(g, h, dot);
+      dw[i] = madd(d, round_to<X>(h * rs), dw[i]);
       grow[i] = g;
     }
     const A c = rs * rs * rs * dot / static_cast<A>(H);
@@ -151,13 +153,13 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       V h = load<A>(xr + i);
       V g = load<A>(grow + i);
       if constexpr (Add) {
-        store_out<Stream>(dxr + i, round_block<X>(rs * g - c * h) + load<A>(dsr + i));
+        store_out<Stream>(dxr + i, round_block<X>(nmadd(V{} + c, h, rs * g)) + load<A>(dsr + i));
       } else {
-        store_out<Stream>(dxr + i, rs * g - c * h);
+        store_out<Stream>(dxr + i, nmadd(V{} + c, h, rs * g));
       }
     }
     for (int64_t i = Hb; i < H; ++i) {
-      A v = rs * grow[i] - c * to_acc<A>(xr[i]);
+      A v = nmadd(c, to_acc<A>(xr[i]), rs * grow[i]);
       if constexpr (Add) v = round_to<X>(v) + to_acc<A>(dsr[i]);
       dxr[i] = from_acc<X>(v);
     }

@@ -384,8 +384,9 @@ inline auto lane_sum(V v) {
 
 /// a * b + c with one rounding where the level has FMA (avx2 and up: the intrinsic, so fused in every file,
 /// those compiled with -ffp-contract=off included); at baseline (SSE2 has no FMA) a product and a sum, two
-/// roundings. Plain a * b + c in the kernels is fused at those levels too, by GCC itself (-ffp-contract=fast,
-/// its default), except in the files that kernels/CMakeLists.txt compiles with -ffp-contract=off.
+/// roundings. Plain a * b + c in the kernels may be fused at those levels too, by GCC itself
+/// (-ffp-contract=fast, its default), except in the files that kernels/CMakeLists.txt compiles with
+/// -ffp-contract=off; whether it is, GCC decides per instantiation.
 inline VF madd(VF a, VF b, VF c) {
 #if defined(__AVX512F__)
   return _mm512_fmadd_ps(a, b, c);
@@ -404,6 +405,48 @@ inline VF nmadd(VF a, VF b, VF c) {
 #else
   return c - a * b;
 #endif
+}
+/// madd and nmadd of double blocks and of scalars, rounded as madd rounds (fused where the level has FMA):
+/// a kernel whose results must equal another's bit for bit writes its multiply-adds with these, in a file
+/// compiled with -ffp-contract=off, instead of leaving the fusing of each to GCC (which fuses the same
+/// expression in one instantiation and not in another).
+inline VD madd(VD a, VD b, VD c) {
+#if defined(__FMA__)
+  VD r;
+  for (int j = 0; j < kBlock; ++j) r[j] = __builtin_fma(a[j], b[j], c[j]);
+  return r;
+#else
+  return a * b + c;
+#endif
+}
+inline VD nmadd(VD a, VD b, VD c) {
+#if defined(__FMA__)
+  VD r;
+  for (int j = 0; j < kBlock; ++j) r[j] = __builtin_fma(-a[j], b[j], c[j]);
+  return r;
+#else
+  return c - a * b;
+#endif
+}
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline double madd(double a, double b, double c) {
+#if defined(__FMA__)
+  return __builtin_fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline float nmadd(float a, float b, float c) {
+  return madd(-a, b, c);
+}
+inline double nmadd(double a, double b, double c) {
+  return madd(-a, b, c);
 }
 /// e^-x for a float block (sigmoid's only need; negating inside saves an instruction), overflowing to +inf
 /// where e^-x exceeds FLT_MAX (x below -88.72), as eager's exp does: SiLU's x / (1 + e^-x) then gives eager's
