@@ -164,19 +164,32 @@ void keep_freed_memory() {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
-// The machine's practical GEMM throughput for a dtype: a large square-ish product, median of repetitions.
+// The machine's practical GEMM throughput for a dtype: the median of repetitions of a square product, 2048 on
+// a side, or 1024 or 512 where one product at 2048 would take over half a second. A CPU without instructions
+// for the dtype can run it far below the fp32 rate (bf16 through torch on an AVX2 EPYC: 0.7 GFLOP/s, 25 s a
+// product at 2048), and a rate that low floors nothing (the fp32 rate floors the low-precision rows, which may
+// compute in fp32), so it is measured on the smaller product in a second instead of minutes. The size is
+// chosen from the second of two 512-sided products (the first pays the library's set-up).
 double dense_gflops(const std::string& dtype, const Options& o) {
   const at::ScalarType dt = dtype_of(dtype);
-  const at::Tensor a = at::randn({2048, 2048}).to(dt), b = at::randn({2048, 2048}).to(dt);
-  Options opts = o;
-  opts.reps = std::max(3, std::min(o.reps, 7));
-  const Timing t = time_interleaved({Impl{"dense",
-                                          [&] {
-                                            at::NoGradGuard g;
-                                            at::mm(a, b);
-                                          }}},
-                                    opts)[0];
-  return 2.0 * 2048 * 2048 * 2048 / (t.median_ms * 1e6);
+  const auto product_ms = [dt](int64_t n, int warmup, int reps) {
+    const at::Tensor a = at::randn({n, n}).to(dt), b = at::randn({n, n}).to(dt);
+    Options opts;
+    opts.warmup = warmup;
+    opts.reps = reps;
+    return time_interleaved({Impl{"dense",
+                                  [&] {
+                                    at::NoGradGuard g;
+                                    at::mm(a, b);
+                                  }}},
+                            opts)[0]
+        .median_ms;
+  };
+  const double probe_ms = product_ms(512, 1, 1);
+  int64_t n = 2048;
+  while (n > 512 && probe_ms * static_cast<double>((n / 512) * (n / 512) * (n / 512)) > 500) n /= 2;
+  const double ms = product_ms(n, o.warmup, std::max(3, std::min(o.reps, 7)));
+  return 2.0 * static_cast<double>(n * n * n) / (ms * 1e6);
 }
 
 struct Row {
