@@ -3,7 +3,8 @@
 Importing this package loads the kernmap C++ library, which registers the ops under ``torch.ops.kernmap``
 (``rms_norm``, ``silu``, ``silu_and_mul``, ``swiglu``, ``grouped_mm``, ``experts`` and their ``reference_*``
 counterparts), exposes the C++ registry (one mapping for C++ and Python), registers ``"kernmap"`` as a
-transformers experts implementation, activates the NPU mapping when ``torch_npu`` imports, and loads the plugin
+transformers experts implementation (when transformers' MoE integration imports: kernmap imports no transformers),
+activates the NPU mapping when ``torch_npu`` imports, and loads the plugin
 packages of the kernel repositories in ``KERNMAP_PATH`` (a refused package is a warning, never an import error;
 ``kernmap.plugin_report()`` says what happened).
 
@@ -30,7 +31,7 @@ from ._registry import (
     resolve,
     use_mapping,
 )
-from . import experts  # noqa: E402 -- registers the "kernmap" experts implementation with transformers
+from . import experts  # noqa: E402 -- registers the "kernmap" experts implementation when transformers' MoE imports
 from ._kernelize import KernelizeError, Report, Row, kernelize
 from ._tune import TuneResult, tune
 from . import npu  # noqa: E402 -- the NPU defaults, active only when torch_npu imports

@@ -1,5 +1,6 @@
 """kernmap as a transformers experts implementation: ``"kernmap"`` is registered in transformers'
-``ExpertsInterface`` when this package is imported, so ``from_pretrained(..., experts_implementation="kernmap")``
+``ExpertsInterface`` when this package is imported (or, if transformers' MoE integration is not imported yet,
+the moment it is: importing kernmap does not import transformers), so ``from_pretrained(..., experts_implementation="kernmap")``
 and ``model.set_experts_implementation("kernmap")`` work on every model whose experts class uses
 ``@use_experts_implementation`` (Qwen2-MoE, Qwen3-MoE, Mixtral, ...).
 
@@ -10,6 +11,8 @@ implementation it had before, or transformers' eager loop."""
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
 from collections.abc import Callable
 
 import torch
@@ -20,10 +23,11 @@ from ._markers import layer_name
 
 IMPLEMENTATION = "kernmap"
 
-try:
-    from transformers.integrations import moe as _hf_moe
-except ImportError:  # transformers is optional for the ops and the registry
-    _hf_moe = None
+# transformers' MoE integration, once imported (by a model's modeling file, or by transformers itself): kernmap's
+# import does not import it (seconds of transformers' import for every process that never builds a model); a
+# post-import hook registers the implementation the moment it is (`_register_when_imported`, at the end).
+_MOE_MODULE = "transformers.integrations.moe"
+_hf_moe = None
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -88,7 +92,6 @@ def _previous(module: nn.Module) -> Callable:
     return _hf_moe.ALL_EXPERTS_FUNCTIONS.get(name, eager)
 
 
-@torch.compiler.disable
 def _resolve_at_call(module: nn.Module, hidden_states: torch.Tensor) -> Callable | None:
     # Only down_proj is read before the layout check: every experts module has it, not every one a gate_up_proj
     # (NemotronH's experts are up_proj and down_proj).
@@ -113,12 +116,75 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if "_kernmap_experts" in self.__dict__:
         kernel = self._kernmap_experts
     else:
-        kernel = _resolve_at_call(self, hidden_states)
+        kernel = _resolve_at_call_eagerly(self, hidden_states)
     if kernel is None:
         return _previous(self)(self, hidden_states, top_k_index, top_k_weights)
     out = kernel(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     return out.to(hidden_states.dtype)
 
 
-if _hf_moe is not None:
-    _hf_moe.ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+# _resolve_at_call outside torch.compile's graph (torch.compiler.disable imports torch._dynamo: seconds, paid
+# when transformers' MoE integration imports, which imports it anyway, not at kernmap's import).
+_resolve_at_call_eagerly = None
+
+
+def _register(moe) -> None:
+    global _hf_moe, _resolve_at_call_eagerly
+    _resolve_at_call_eagerly = torch.compiler.disable(_resolve_at_call)
+    _hf_moe = moe
+    moe.ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """transformers.integrations.moe's own loader, registering the implementation once the module has run."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _unhook()
+        _register(module)
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...: the real loader's
+        return getattr(self._loader, name)
+
+
+class _RegisterWhenImported(importlib.abc.MetaPathFinder):
+    """First on sys.meta_path until transformers.integrations.moe imports: finds it with the other finders and
+    wraps its loader."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _MOE_MODULE:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+
+_HOOK = _RegisterWhenImported()
+
+
+def _unhook() -> None:
+    if _HOOK in sys.meta_path:
+        sys.meta_path.remove(_HOOK)
+
+
+def _register_when_imported() -> None:
+    if _MOE_MODULE in sys.modules:
+        _register(sys.modules[_MOE_MODULE])
+    else:
+        sys.meta_path.insert(0, _HOOK)
+
+
+_register_when_imported()

@@ -27,6 +27,26 @@ def test_installed_package_imports_outside_the_repository(tmp_path):
     assert kernel == "kernmap/rms_norm"
 
 
+def test_import_costs_torchs_import_and_the_experts_implementation_registers_when_transformers_moe_does():
+    """`import kernmap` imports neither transformers nor torch._dynamo (seconds each, paid by every process that
+    imports kernmap); transformers' MoE integration, imported after it (as a MoE model's modeling file imports
+    it), has the "kernmap" experts implementation at once, and the hook is gone."""
+    probe = ("import json, sys, kernmap, kernmap.experts as e; "
+             "before = sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules); "
+             "from transformers.models.qwen3_moe import modeling_qwen3_moe; "
+             "from transformers.integrations import moe; "
+             "print(json.dumps([before, 'kernmap' in moe.ALL_EXPERTS_FUNCTIONS, e._hf_moe is moe, "
+             "e._HOOK in sys.meta_path]))")
+    r = run(["-c", probe])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == [[], True, True, False]
+    # transformers imported first: registered at kernmap's import
+    r = run(["-c", "import json, transformers.integrations.moe as moe, kernmap; "
+                   "print(json.dumps('kernmap' in moe.ALL_EXPERTS_FUNCTIONS))"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) is True
+
+
 def test_bench_json_has_the_shape_of_kernmap_bench_ops():
     r = run(["-m", "kernmap.bench", "--json", "--filter", "SiluAndMul/float32", "--warmup", "0", "--reps", "1",
              "--tokens-scale", "0.01"])
