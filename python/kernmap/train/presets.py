@@ -5,12 +5,20 @@ initialisation), so a run needs no checkpoint."""
 
 from __future__ import annotations
 
-from transformers import (
-    LlamaConfig, MistralConfig, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-    Qwen3MoeConfig,
-)
+from typing import TYPE_CHECKING
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def _config(cls: str, **fields) -> PretrainedConfig:
+    """transformers' config class `cls`, imported when a preset is built: a command line that fails to parse
+    never pays transformers' import."""
+    import transformers
+
+    return getattr(transformers, cls)(**fields)
 
 # The C++ presets' shared sizes (models/config.cpp, preset_config).
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -20,17 +28,19 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attent
 _MOE = dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=32)
 
 PRESETS = {
-    "qwen2-tiny": lambda: Qwen2Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True),
-    "qwen2-moe-tiny": lambda: Qwen2MoeConfig(**_COMMON, **_MOE, num_hidden_layers=3, qkv_bias=True,
-                                             shared_expert_intermediate_size=64, mlp_only_layers=[2],
-                                             tie_word_embeddings=False),
-    "qwen3-moe-tiny": lambda: Qwen3MoeConfig(**_COMMON, **_MOE, num_hidden_layers=2, head_dim=16,
-                                             norm_topk_prob=True, tie_word_embeddings=False),
-    "qwen3-tiny": lambda: Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=16, tie_word_embeddings=True),
-    "llama-tiny": lambda: LlamaConfig(**_COMMON, num_hidden_layers=2, head_dim=16),
-    "mistral-tiny": lambda: MistralConfig(**_COMMON, num_hidden_layers=2, head_dim=16, sliding_window=None),
-    "mixtral-tiny": lambda: MixtralConfig(**{**_COMMON, "intermediate_size": 32}, num_hidden_layers=2, head_dim=16,
-                                          num_local_experts=32, num_experts_per_tok=4, sliding_window=None),
+    "qwen2-tiny": lambda: _config("Qwen2Config", **_COMMON, num_hidden_layers=2, tie_word_embeddings=True),
+    "qwen2-moe-tiny": lambda: _config("Qwen2MoeConfig", **_COMMON, **_MOE, num_hidden_layers=3, qkv_bias=True,
+                                      shared_expert_intermediate_size=64, mlp_only_layers=[2],
+                                      tie_word_embeddings=False),
+    "qwen3-moe-tiny": lambda: _config("Qwen3MoeConfig", **_COMMON, **_MOE, num_hidden_layers=2, head_dim=16,
+                                      norm_topk_prob=True, tie_word_embeddings=False),
+    "qwen3-tiny": lambda: _config("Qwen3Config", **_COMMON, num_hidden_layers=2, head_dim=16,
+                                  tie_word_embeddings=True),
+    "llama-tiny": lambda: _config("LlamaConfig", **_COMMON, num_hidden_layers=2, head_dim=16),
+    "mistral-tiny": lambda: _config("MistralConfig", **_COMMON, num_hidden_layers=2, head_dim=16,
+                                    sliding_window=None),
+    "mixtral-tiny": lambda: _config("MixtralConfig", **{**_COMMON, "intermediate_size": 32}, num_hidden_layers=2,
+                                    head_dim=16, num_local_experts=32, num_experts_per_tok=4, sliding_window=None),
 }
 
 
