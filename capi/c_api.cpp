@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "capi/guarded.h"
+#include "kernmap/cpu.h"
 #include "kernmap/mapping_file.h"
 #include "kernmap/registry.h"
 #include "repository/json_forms.h"
@@ -169,6 +170,20 @@ int kernmap_effective_mapping(char** mapping_json, char** error) {
     if (mapping_json == nullptr)
       throw std::invalid_argument("kernmap_effective_mapping: mapping_json is NULL");
     *mapping_json = copy_string(mapping_to_json(effective_mapping()).dump());
+  });
+}
+
+int kernmap_cpu_levels(char** levels_json, char** error) {
+  return guarded("kernmap_cpu_levels", error, [&] {
+    if (levels_json == nullptr) throw std::invalid_argument("kernmap_cpu_levels: levels_json is NULL");
+    *levels_json = copy_string(json{{"level", cpu_level()}, {"supported", supported_cpu_levels()}}.dump());
+  });
+}
+
+int kernmap_set_cpu_level(const char* level, char** error) {
+  return guarded("kernmap_set_cpu_level", error, [&] {
+    if (level == nullptr) throw std::invalid_argument("kernmap_set_cpu_level: level is NULL");
+    set_cpu_level(level);
   });
 }
 

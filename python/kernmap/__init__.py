@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._library import KernmapError, library_path
+from ._cpu import cpu_level, set_cpu_level, supported_cpu_levels
 from ._registry import (
     Decision,
     Kernel,
@@ -82,11 +83,11 @@ def reset_cpu_memory_peak() -> None:
 __all__ = [
     "Decision", "Kernel", "KernelizeError", "KernmapError", "PluginError", "Report", "Row", "advise_huge_pages",
     "cached_memory_bytes",
-    "clear_user_mappings", "count_cpu_memory", "cpu_memory",
+    "clear_user_mappings", "count_cpu_memory", "cpu_level", "cpu_memory",
     "effective_mapping", "kernelize", "kernels", "library_path", "load_mapping_file", "load_plugins", "ops",
     "plugin_report", "register_default_mapping", "register_kernel", "register_mapping", "release_cached_memory",
     "reset_cpu_memory_peak",
-    "resolve", "tune", "TuneResult", "use_mapping",
+    "resolve", "set_cpu_level", "supported_cpu_levels", "tune", "TuneResult", "use_mapping",
     "write_lock",
 ]
 

@@ -46,6 +46,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kernmap_resolve": ([ctypes.c_char_p, out, out], ctypes.c_int),
         "kernmap_list_kernels": ([out, out], ctypes.c_int),
         "kernmap_effective_mapping": ([out, out], ctypes.c_int),
+        "kernmap_cpu_levels": ([out, out], ctypes.c_int),
+        "kernmap_set_cpu_level": ([ctypes.c_char_p, out], ctypes.c_int),
         "kernmap_load_plugins": ([ctypes.c_char_p, out, out], ctypes.c_int),
         "kernmap_plugin_report": ([out, out], ctypes.c_int),
         "kernmap_write_lock": ([ctypes.c_char_p, out, out], ctypes.c_int),

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import _registry, _verify
+from . import _cpu, _registry, _verify
 from ._kernelize import _plan
 
 COMPILED = " (torch.compile)"  # the suffix of the compiled reference's candidate name
@@ -107,7 +107,7 @@ def machine(device: str) -> dict:
     return {
         "host": platform.node(), "cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        # kernmap's own level (kernmap::cpu_level) has no C API entry yet: ATen's, and the cap asked for.
+        "kernmap_cpu_level": _cpu.cpu_level(),  # the level kernmap's CPU kernels ran at, and ATen's own
         "aten_cpu_level": torch.backends.cpu.get_cpu_capability(),
         "kernmap_cpu_isa_env": os.environ.get("KERNMAP_CPU_ISA"),
         "accelerator": torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else None,
@@ -231,7 +231,8 @@ def _toml(result: TuneResult) -> str:
     lines = ["# kernmap tune: the fastest verified kernel of each layer, measured on this machine (docs/mapping.md,",
              "# 'Verified and tuned mappings'); every candidate's figures are in the side JSON.",
              f"# machine: {m['host']}, {m['cpu']} ({m['arch']}, {m['cores']} cores, {m['threads']} threads), "
-             f"ATen CPU level {m['aten_cpu_level']}, KERNMAP_CPU_ISA={m['kernmap_cpu_isa_env'] or '(unset)'}"
+             f"kernmap CPU level {m['kernmap_cpu_level']}, ATen CPU level {m['aten_cpu_level']}, "
+             f"KERNMAP_CPU_ISA={m['kernmap_cpu_isa_env'] or '(unset)'}"
              + (f", {m['accelerator']}" if m["accelerator"] else ""),
              f"# versions: torch {m['torch']}, transformers {m['transformers']}, kernmap {m['kernmap']}; {m['date']}",
              "kernmap_mapping = 1", ""]

@@ -5,6 +5,8 @@ views and stride-0 gradients, thread counts, and bad input. The kernels' values 
 import pytest
 import torch
 
+import kernmap
+
 ops = torch.ops.kernmap
 
 
@@ -111,3 +113,25 @@ BAD_INPUTS = [
 def test_bad_input_names_the_argument(call, message):
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
         call()
+
+
+def test_the_cpu_level_is_read_and_set_from_python():
+    levels = kernmap.supported_cpu_levels()
+    assert levels[0] == "baseline" and kernmap.cpu_level() in levels
+    before = kernmap.cpu_level()
+    x, w = torch.randn(5, 37), torch.randn(37)
+    want = torch.ops.kernmap.rms_norm(x, w, 1e-6)
+    try:
+        for level in levels:
+            kernmap.set_cpu_level(level)
+            assert kernmap.cpu_level() == level
+            torch.testing.assert_close(torch.ops.kernmap.rms_norm(x, w, 1e-6), want)
+        for bad in ("sse9", "AVX2", ""):
+            with pytest.raises(kernmap.KernmapError, match=f"set_cpu_level: unknown level '{bad}' "
+                                                           r"\(this CPU runs: baseline"):
+                kernmap.set_cpu_level(bad)
+        with pytest.raises(TypeError, match="level must be a str, got int"):
+            kernmap.set_cpu_level(2)
+    finally:
+        kernmap.set_cpu_level(before)
+    assert kernmap.cpu_level() == before

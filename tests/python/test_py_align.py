@@ -1,7 +1,8 @@
 """`python -m kernmap align`: the C++ command's run for any transformers causal LM. It passes on tiny checkpoints
 of all seven families, with peft LoRA and gradient checkpointing; its original run is the C++ command's run
 (same data, batches, optimiser) to 1e-5; a kernel wrong by 1e-3 in one layer fails at every CPU level and thread
-count while the built-in kernels pass; its presets are the C++ command's; bad command lines exit 2."""
+count while the built-in kernels pass (each level in this process, through kernmap.set_cpu_level); its presets
+are the C++ command's; bad command lines exit 2."""
 
 import contextlib
 import io
@@ -17,7 +18,6 @@ import torch
 import kernmap
 from kernmap.train import align, presets
 
-from align_driver import PERTURBED
 from hf_models import FAMILIES, expected_layers, make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +63,12 @@ def test_align_passes_on_a_tiny_checkpoint_of_every_family(family, checkpoints):
     # A model that routes tokens gets a noise run per layer, that layer alone on its float64 kernel.
     assert set(doc["noise_alone"]) == (set(bound) if moe else set())
     assert all(len(steps) == 6 for steps in doc["noise_alone"].values())
+
+
+# RMSNorm's reference output times 1 + 1e-3: a kernel wrong on purpose.
+PERTURBED = kernmap.Kernel(
+    name="test/rms_norm_perturbed", layer="RMSNorm", has_backward=True, devices=("cpu",),
+    fn=lambda x, weight, eps: torch.ops.kernmap.reference_rms_norm(x, weight, eps) * (1 + 1e-3))
 
 
 def rel(value, original):
@@ -158,23 +164,27 @@ def test_human_output_and_exit_codes(checkpoints):
     assert code == 1 and text.splitlines()[-1].startswith("verdict: FAIL")
 
 
-def supported_levels():
-    out = subprocess.run([str(BUILD / "kernmap"), "kernels", "--json"], capture_output=True, text=True, timeout=300)
-    return json.loads(out.stdout)["cpu"]["supported"]
+@pytest.fixture
+def cpu_level():
+    """kernmap.set_cpu_level for one test: the level in use before it is restored after."""
+    before = kernmap.cpu_level()
+    yield kernmap.set_cpu_level
+    kernmap.set_cpu_level(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("level", supported_levels())
-def test_a_kernel_wrong_by_1e3_fails_and_the_builtin_kernels_pass_everywhere(level, threads):
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("align_driver.py")), "--preset",
-                          "qwen3-moe-tiny", "--steps", "10", "--seq-len", "32", "--threads", str(threads)],
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, KERNMAP_CPU_ISA=level, OMP_WAIT_POLICY="PASSIVE"))  # tests/cpp/CMakeLists.txt: why
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout.splitlines()[-1])
-    assert doc["correct"]["passed"] and doc["correct"]["exit_code"] == 0, doc["correct"]["verdict"]
-    perturbed = doc["perturbed"]
-    assert not perturbed["passed"] and perturbed["exit_code"] == 1
+@pytest.mark.parametrize("level", kernmap.supported_cpu_levels())
+def test_a_kernel_wrong_by_1e3_fails_and_the_builtin_kernels_pass_everywhere(level, threads, cpu_level):
+    """In this process at each level (kernmap.set_cpu_level; the _threads fixture restores the thread count): the
+    built-in kernels pass 10 steps, RMSNorm wrong by 1e-3 fails 3 (it fails at the first)."""
+    cpu_level(level)
+    argv = ["--preset", "qwen3-moe-tiny", "--steps", "10", "--seq-len", "32", "--threads", str(threads)]
+    correct = align_json(*argv)
+    assert correct["passed"], correct["verdict"]
+    with kernmap.use_mapping({"RMSNorm": {"cpu": PERTURBED}}):
+        perturbed = align_json(*argv, "--steps", "3")
+    assert kernmap.cpu_level() == level and torch.get_num_threads() == threads
+    assert not perturbed["passed"]
     assert any(r["kernel"] == "test/rms_norm_perturbed" for r in perturbed["kernels"]["layers"])
     norm = perturbed["verdict"]["grad_norm"]
     assert norm["diff"][0] > norm["tolerance"][0]  # wrong from the first step
