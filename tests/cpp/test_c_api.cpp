@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "kernmap/c_api.h"
+#include "kernmap/cpu.h"
 #include "kernmap/registry.h"
 
 namespace {
@@ -161,6 +162,25 @@ TEST(CApi, ErrorsAreMessagesNotExceptions) {
   Text e5;
   EXPECT_EQ(kernmap_resolve(R"({"layer": "CapiNorm"})", &out.p, &e5.p), KERNMAP_INVALID_ARGUMENT);
   EXPECT_EQ(out.p, nullptr);
+}
+
+TEST(CApi, CpuLevelsAreReadAndSet) {
+  Text levels, e1, e2, e3;
+  ASSERT_EQ(kernmap_cpu_levels(&levels.p, &e1.p), KERNMAP_OK) << e1.str();
+  const json j = json::parse(levels.str());
+  const auto supported = j.at("supported").get<std::vector<std::string>>();
+  EXPECT_EQ(supported, kernmap::supported_cpu_levels());
+  EXPECT_EQ(j.at("level").get<std::string>(), kernmap::cpu_level());
+  const std::string before = kernmap::cpu_level();
+  ASSERT_EQ(kernmap_set_cpu_level("baseline", &e2.p), KERNMAP_OK) << e2.str();
+  EXPECT_EQ(kernmap::cpu_level(), "baseline");
+  EXPECT_EQ(kernmap_set_cpu_level("sse9", &e3.p), KERNMAP_INVALID_ARGUMENT);
+  EXPECT_NE(e3.str().find("unknown level 'sse9' (this CPU runs: baseline"), std::string::npos) << e3.str();
+  Text e4, e5;
+  EXPECT_EQ(kernmap_set_cpu_level(nullptr, &e4.p), KERNMAP_INVALID_ARGUMENT);
+  EXPECT_NE(e4.str().find("level is NULL"), std::string::npos) << e4.str();
+  kernmap::set_cpu_level(before);
+  EXPECT_EQ(kernmap_cpu_levels(nullptr, &e5.p), KERNMAP_INVALID_ARGUMENT);
 }
 
 }  // namespace
