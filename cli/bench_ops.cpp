@@ -167,8 +167,8 @@ void keep_freed_memory() {
 // The machine's practical GEMM throughput for a dtype: the median of repetitions of a square product, 2048 on
 // a side, or 1024 or 512 where one product at 2048 would take over half a second. A CPU without instructions
 // for the dtype can run it far below the fp32 rate (bf16 through torch on an AVX2 EPYC: 0.7 GFLOP/s, 25 s a
-// product at 2048), and a rate that low floors nothing (the fp32 rate floors the low-precision rows, which may
-// compute in fp32), so it is measured on the smaller product in a second instead of minutes. The size is
+// product at 2048), and a rate that low floors nothing (the fp32 rate floors the low-precision rows, which
+// may compute in fp32), so it is measured on the smaller product in a second instead of minutes. The size is
 // chosen from the second of two 512-sided products (the first pays the library's set-up).
 double dense_gflops(const std::string& dtype, const Options& o) {
   const at::ScalarType dt = dtype_of(dtype);

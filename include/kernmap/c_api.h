@@ -89,7 +89,8 @@ KERNMAP_API int kernmap_list_kernels(char** kernels_json, char** error);
 KERNMAP_API int kernmap_effective_mapping(char** mapping_json, char** error);
 
 /* The CPU kernels' instruction-set level (include/kernmap/cpu.h): *levels_json receives {"level": "avx2",
- * "supported": ["baseline", "avx2"]} (the level in use, and the compiled levels this CPU runs, lowest first). */
+ * "supported": ["baseline", "avx2"]} (the level in use, and the compiled levels this CPU runs, lowest first).
+ */
 KERNMAP_API int kernmap_cpu_levels(char** levels_json, char** error);
 /* Makes `level` the level of the whole process from the next kernel call on (kernmap::set_cpu_level);
  * KERNMAP_INVALID_ARGUMENT, naming the level and the supported ones, when it is not one this CPU runs. */
