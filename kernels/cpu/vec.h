@@ -420,13 +420,7 @@ inline VD madd(VD a, VD b, VD c) {
 #endif
 }
 inline VD nmadd(VD a, VD b, VD c) {
-#if defined(__FMA__)
-  VD r;
-  for (int j = 0; j < kBlock; ++j) r[j] = __builtin_fma(-a[j], b[j], c[j]);
-  return r;
-#else
-  return c - a * b;
-#endif
+  return madd(-a, b, c);
 }
 inline float madd(float a, float b, float c) {
 #if defined(__FMA__)
