@@ -28,7 +28,7 @@ constexpr const char* kEnvironment =
     "Environment:\n"
     "  KERNMAP_DISABLE=all|Layer,...  layers kept on their reference kernels\n"
     "  KERNMAP_LOG=1                  what each resolution chose and why, on stderr\n"
-    "  KERNMAP_CPU_ISA=baseline|avx2|avx512|avx512bf16   caps the CPU kernels' instruction set\n"
+    "  KERNMAP_CPU_ISA=baseline|avx2|avx512|avx512bf16|amx   caps the CPU kernels' instruction set\n"
     "  KERNMAP_PATH=REPO:REPO         local kernel repositories (plugins, loaded before every command)\n"
     "  KERNMAP_TOOLKITS=cuda=12.8,cann=8.0   toolkit versions plugin variants are matched against";
 

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
@@ -403,6 +404,181 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
 }
 #endif
 
+#if defined(__AMX_BF16__)
+// ---- AMX tiles (the amx level, bf16; kernels/cpu/amx.h) --------------------------------------------------
+//
+// The weights go in A's place: 16 rows of W, 32 elements of K each, are one tile load straight from memory
+// (the rows are K-contiguous, which is what A wants). The activations go in B's place: their pairs packed
+// once per call, 16 rows a group (the lanes form's pair packing with 16 lanes). Each tile is then C^T[16
+// weight rows, 16 activation rows].
+//
+// Two register plans: one group of activation rows (M <= 16, the common MoE group) runs 3 weight blocks a
+// pass (accumulators tmm0-2, weights tmm3-5, activations tmm6); more rows run 2 weight blocks against 2
+// groups a pass (accumulators tmm0-3, weights tmm4-5, activations tmm6-7), the groups in pairs, so a weight
+// block is loaded once per pair. Blocks a pass does not have (the last pass's) and a missing second group are
+// zeros, read with a zero stride: the tile units have several times the throughput that streaming the weights
+// from memory needs. No software prefetch: the hardware's alone streamed the weights faster than with
+// prefetches of the next pass into L2 or of each row ahead (docs/performance.md, "AMX tiles").
+
+// 16 rows of a weight block: row i at p + i * ld (ld = 0: the same zero row 16 times).
+struct Block {
+  const BFloat16* p;
+  int64_t ld;
+};
+// 16 pair rows of an activation group per step: step s at p + s * step, rows 64 bytes apart (or 0 apart).
+struct Group {
+  const uint32_t* p;
+  int64_t step, row_bytes;
+};
+
+// The last, partial step of K: each block's 16 row ends copied into a zero-padded tile, so that no load reads
+// past a row (into the next row, whose bits could be Inf or NaN against a zero pair) or past the end of B.
+template <int NB>
+inline void tail_tiles(const Block (&w)[NB], int64_t k0, int64_t K, BFloat16* buf) {
+  std::memset(buf, 0, NB * kTileRows * kTileK * sizeof(BFloat16));
+  for (int j = 0; j < NB; ++j)
+    for (int64_t i = 0; i < kTileRows; ++i)
+      std::memcpy(buf + (j * kTileRows + i) * kTileK, w[j].p + i * w[j].ld + k0, (K - k0) * sizeof(BFloat16));
+  memory_barrier();
+}
+
+// One group, three blocks: out[j * 256 + i * 16 + m] = sum_k W_j[i][k] A[m][k].
+void amx_pass_1x3(const Block (&w)[3], const Group& a, int64_t K, BFloat16* tail, float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  const int64_t full = K / kTileK;
+  for (int64_t s = 0; s < full; ++s) {
+    const int64_t k = s * kTileK;
+    _tile_loadd(6, a.p + s * a.step, a.row_bytes);
+    _tile_loadd(3, w[0].p + k, w[0].ld * 2);
+    _tile_loadd(4, w[1].p + k, w[1].ld * 2);
+    _tile_loadd(5, w[2].p + k, w[2].ld * 2);
+    _tile_dpbf16ps(0, 3, 6);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+  }
+  if (K % kTileK) {
+    tail_tiles<3>(w, full * kTileK, K, tail);
+    _tile_loadd(6, a.p + full * a.step, a.row_bytes);
+    _tile_loadd(3, tail, 64);
+    _tile_loadd(4, tail + kTileRows * kTileK, 64);
+    _tile_loadd(5, tail + 2 * kTileRows * kTileK, 64);
+    _tile_dpbf16ps(0, 3, 6);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+  }
+  _tile_stored(0, out, 64);
+  _tile_stored(1, out + 256, 64);
+  _tile_stored(2, out + 512, 64);
+}
+
+// Two groups, two blocks: out[(2j + g) * 256 + i * 16 + m] = sum_k W_j[i][k] A_g[m][k].
+void amx_pass_2x2(const Block (&w)[2], const Group& a0, const Group& a1, int64_t K, BFloat16* tail,
+                  float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t full = K / kTileK;
+  for (int64_t s = 0; s < full; ++s) {
+    const int64_t k = s * kTileK;
+    _tile_loadd(6, a0.p + s * a0.step, a0.row_bytes);
+    _tile_loadd(7, a1.p + s * a1.step, a1.row_bytes);
+    _tile_loadd(4, w[0].p + k, w[0].ld * 2);
+    _tile_loadd(5, w[1].p + k, w[1].ld * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  if (K % kTileK) {
+    tail_tiles<2>(w, full * kTileK, K, tail);
+    _tile_loadd(6, a0.p + full * a0.step, a0.row_bytes);
+    _tile_loadd(7, a1.p + full * a1.step, a1.row_bytes);
+    _tile_loadd(4, tail, 64);
+    _tile_loadd(5, tail + kTileRows * kTileK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 64);
+  _tile_stored(1, out + 256, 64);
+  _tile_stored(2, out + 512, 64);
+  _tile_stored(3, out + 768, 64);
+}
+
+// C = A B^T in bf16 through the tiles.
+void amx_gemm(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
+              int64_t M, int64_t N, int64_t K) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t steps = (K + kTileK - 1) / kTileK, Kp = steps * kTileK;
+  const int64_t groups = (M + kTileRows - 1) / kTileRows;
+  const int64_t group_words = Kp / 2 * kTileRows;  // pair words of one packed group
+  // Scratch: the packed groups, then a zero row of Kp elements (missing blocks and groups), then the last
+  // block's rows when N is not a multiple of 16 (copied, zero-padded), then the tail tiles.
+  const int64_t n_full = N / kTileRows, n_tail = N % kTileRows;
+  const size_t pack_bytes = groups * group_words * 4, zero_bytes = Kp * 2 + 64,
+               padded_bytes = n_tail ? kTileRows * Kp * 2 : 0, tail_bytes = 3 * kTileRows * kTileK * 2;
+  char* buf = static_cast<char*>(scratch<3>(pack_bytes + zero_bytes + padded_bytes + tail_bytes));
+  auto* packed = reinterpret_cast<uint32_t*>(buf);
+  auto* zeros = reinterpret_cast<BFloat16*>(buf + pack_bytes);
+  auto* padded = reinterpret_cast<BFloat16*>(buf + pack_bytes + zero_bytes);
+  auto* tail = reinterpret_cast<BFloat16*>(buf + pack_bytes + zero_bytes + padded_bytes);
+  for (int64_t g = 0; g < groups; ++g) {
+    uint32_t* P = packed + g * group_words;
+    pack_pairs(A + g * kTileRows * lda, lda, std::min(kTileRows, M - g * kTileRows), kTileRows, K, P);
+    std::fill(P + (K + 1) / 2 * kTileRows, P + group_words, 0u);
+  }
+  std::memset(zeros, 0, zero_bytes);
+  if (n_tail) {
+    std::memset(padded, 0, padded_bytes);
+    for (int64_t i = 0; i < n_tail; ++i)
+      std::memcpy(padded + i * Kp, B + (n_full * kTileRows + i) * ldb, K * sizeof(BFloat16));
+  }
+  memory_barrier();
+  const int64_t blocks = n_full + (n_tail ? 1 : 0);
+  auto block = [&](int64_t b) -> Block {
+    if (b < n_full) return {B + b * kTileRows * ldb, ldb};
+    if (b < blocks) return {padded, Kp};
+    return {zeros, 0};
+  };
+  auto group = [&](int64_t g) -> Group {
+    if (g < groups) return {packed + g * group_words, kTileRows * kTileRows, 64};
+    return {reinterpret_cast<const uint32_t*>(zeros), 0, 0};
+  };
+  // out[t][i][m] -> C rows m of group g, columns of block b.
+  auto write = [&](const float* out, int64_t b, int64_t g) {
+    const int64_t cols = std::min(kTileRows, N - b * kTileRows),
+                  rows = std::min(kTileRows, M - g * kTileRows);
+    if (cols <= 0 || rows <= 0) return;
+    BFloat16* c = C + g * kTileRows * ldc + b * kTileRows;
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t i = 0; i < cols; ++i) c[m * ldc + i] = from_acc<BFloat16>(out[i * kTileRows + m]);
+  };
+  load_tile_config();
+  alignas(64) float out[4 * kTileRows * kTileRows];
+  if (groups == 1) {
+    for (int64_t b = 0; b < blocks; b += 3) {
+      const Block w[3] = {block(b), block(b + 1), block(b + 2)};
+      amx_pass_1x3(w, group(0), K, tail, out);
+      for (int j = 0; j < 3; ++j) write(out + j * 256, b + j, 0);
+    }
+  } else {
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const Block w[2] = {block(b), block(b + 1)};
+      for (int64_t g = 0; g < groups; g += 2) {
+        amx_pass_2x2(w, group(g), group(g + 1), K, tail, out);
+        for (int j = 0; j < 2; ++j)
+          for (int h = 0; h < 2; ++h) write(out + (2 * j + h) * 256, b + j, g + h);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 }  // namespace
 
 void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
@@ -417,6 +593,13 @@ void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_
 #endif
     // fp16, and bf16 without the dot-product instruction, would convert B to fp32 first, slower than the
     // dot-product blocks' conversion on load (docs/performance.md, "gemm_nt lanes form"), so they keep those.
+#if defined(__AMX_BF16__)
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      amx_gemm(static_cast<const BFloat16*>(A), lda, static_cast<const BFloat16*>(B), ldb,
+               static_cast<BFloat16*>(C), ldc, M, N, K);
+      return;
+    }
+#endif
     if constexpr (kLanesForm) {
       lanes_gemm<T>(static_cast<const T*>(A), lda, static_cast<const T*>(B), ldb, static_cast<T*>(C), ldc, M,
                     N, K);

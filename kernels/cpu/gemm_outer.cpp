@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/cache.h"
 #include "kernels/cpu/vec.h"
 
@@ -488,9 +489,192 @@ void row_blocks(int64_t M, Block&& block) {
   leftover_block<1>(M - Mb, Mb, block);
 }
 
+#if defined(__AMX_BF16__)
+// ---- AMX tiles (the amx level, bf16; kernels/cpu/amx.h) --------------------------------------------------
+//
+// C's tiles are C itself, 16 rows of A by 16 columns of B. A goes in the tiles' A place: A(m, p) packed once
+// per call into tiles of 16 rows x 32 steps (zeros past M and P), whatever A's strides. B goes in the B
+// place: its rows paired (p, p + 1) column by column, in 16-column blocks, one block of the reduction at a
+// time (the level-2 rule of l2_block_bytes, whole rows of B read in memory order), the sums of each tile
+// parked in fp32 between blocks. Each element adds its pairs in order of p whatever M's split (its tile's
+// rows do not meet). Register plans as gemm_nt's: one 16-row group of A against 3 column blocks (tmm0-2
+// sums, tmm3-5 B, tmm6 A), or groups in pairs against 2 blocks (tmm0-3, tmm4-5 B, tmm6-7 A); blocks and
+// groups past the edge are zero tiles read with a zero stride.
+
+// One operand tile per step: step s at p + s * step, rows row_bytes apart.
+struct TileRun {
+  const BFloat16* p;
+  int64_t step, row_bytes;
+};
+
+// Rows [p0, p0 + steps * 32) of B (zero past P and past N) as pairs: block j's pair row q at
+// out + (j * steps * 16 + q) * 32.
+inline void pair_rows(const BFloat16* B, int64_t ldb, int64_t P, int64_t N, int64_t p0, int64_t steps,
+                      BFloat16* out) {
+  const int64_t blocks = (N + kTileRows - 1) / kTileRows, pairs = steps * kTileRows;
+  for (int64_t q = 0; q < pairs; ++q) {
+    const int64_t r0 = p0 + 2 * q;
+    const BFloat16* b0 = B + r0 * ldb;
+    for (int64_t c = 0; c < N; c += 32) {
+      const __mmask32 mask = N - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (N - c)) - 1;
+      const __m512i x0 = r0 < P ? _mm512_maskz_loadu_epi16(mask, b0 + c) : _mm512_setzero_si512();
+      const __m512i x1 = r0 + 1 < P ? _mm512_maskz_loadu_epi16(mask, b0 + ldb + c) : _mm512_setzero_si512();
+      const int64_t j = c / kTileRows;
+      _mm512_storeu_si512(out + (j * pairs + q) * 32, _mm512_permutex2var_epi16(x0, pair_lo(), x1));
+      if (j + 1 < blocks)
+        _mm512_storeu_si512(out + ((j + 1) * pairs + q) * 32, _mm512_permutex2var_epi16(x0, pair_hi(), x1));
+    }
+  }
+}
+
+// One group against three blocks: tile j's sums start from start[j] (null: zero) and end in end[j].
+void outer_pass_1x3(const TileRun& a, const TileRun (&b)[3], int64_t steps, float* const (&start)[3],
+                    float* const (&end)[3]) {
+  KERNMAP_TILE_START(0, start[0]);
+  KERNMAP_TILE_START(1, start[1]);
+  KERNMAP_TILE_START(2, start[2]);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, a.p + s * a.step, a.row_bytes);
+    _tile_loadd(3, b[0].p + s * b[0].step, b[0].row_bytes);
+    _tile_loadd(4, b[1].p + s * b[1].step, b[1].row_bytes);
+    _tile_loadd(5, b[2].p + s * b[2].step, b[2].row_bytes);
+    _tile_dpbf16ps(0, 6, 3);
+    _tile_dpbf16ps(1, 6, 4);
+    _tile_dpbf16ps(2, 6, 5);
+  }
+  _tile_stored(0, end[0], 64);
+  _tile_stored(1, end[1], 64);
+  _tile_stored(2, end[2], 64);
+}
+
+// Two groups against two blocks: tile 2g + j is group g's sums over block j.
+void outer_pass_2x2(const TileRun (&a)[2], const TileRun (&b)[2], int64_t steps, float* const (&start)[4],
+                    float* const (&end)[4]) {
+  KERNMAP_TILE_START(0, start[0]);
+  KERNMAP_TILE_START(1, start[1]);
+  KERNMAP_TILE_START(2, start[2]);
+  KERNMAP_TILE_START(3, start[3]);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, a[0].p + s * a[0].step, a[0].row_bytes);
+    _tile_loadd(7, a[1].p + s * a[1].step, a[1].row_bytes);
+    _tile_loadd(4, b[0].p + s * b[0].step, b[0].row_bytes);
+    _tile_loadd(5, b[1].p + s * b[1].step, b[1].row_bytes);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_dpbf16ps(1, 6, 5);
+    _tile_dpbf16ps(2, 7, 4);
+    _tile_dpbf16ps(3, 7, 5);
+  }
+  _tile_stored(0, end[0], 64);
+  _tile_stored(1, end[1], 64);
+  _tile_stored(2, end[2], 64);
+  _tile_stored(3, end[3], 64);
+}
+
+// Stream: C's rows are written with streaming stores (C aligned as can_stream checks).
+template <bool Stream>
+void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, int64_t ldb, BFloat16* C,
+               int64_t ldc, int64_t M, int64_t N, int64_t P) {
+  if (P <= 0) {
+    for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, N * sizeof(BFloat16));
+    return;
+  }
+  const int64_t groups = (M + kTileRows - 1) / kTileRows, blocks = (N + kTileRows - 1) / kTileRows;
+  const int64_t steps = (P + kTileK - 1) / kTileK;
+  // Steps of a reduction block: its rows of B (N wide) about l2_block_bytes.
+  const int64_t block_steps = std::clamp<int64_t>(
+      l2_block_bytes() / std::max<int64_t>(1, N * int64_t(sizeof(BFloat16)) * kTileK), 1, steps);
+  BFloat16* a_tiles = scratch<BFloat16, 4>(groups * steps * kTileRows * kTileK + kTileK);
+  BFloat16* b_pairs = scratch<BFloat16, 5>(blocks * block_steps * kTileRows * kTileK);
+  float* sums = steps > block_steps ? scratch<float, 6>(groups * blocks * kTileRows * kTileRows) : nullptr;
+  alignas(64) float out[4 * kTileRows * kTileRows];
+  // A: tile (g, s) row r holds A(16g + r, 32s + i), i < 32; then one zero row (missing groups and blocks).
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const int64_t m = g * kTileRows + r;
+      for (int64_t s = 0; s < steps; ++s) {
+        BFloat16* t = a_tiles + ((g * steps + s) * kTileRows + r) * kTileK;
+        for (int64_t i = 0; i < kTileK; ++i) {
+          const int64_t p = s * kTileK + i;
+          t[i] = m < M && p < P ? A[m * a_m + p * a_p] : BFloat16{};
+        }
+      }
+    }
+  const BFloat16* zeros = a_tiles + groups * steps * kTileRows * kTileK;
+  std::memset(const_cast<BFloat16*>(zeros), 0, kTileK * sizeof(BFloat16));
+  auto a_run = [&](int64_t g, int64_t s0) -> TileRun {
+    if (g >= groups) return {zeros, 0, 0};
+    return {a_tiles + (g * steps + s0) * kTileRows * kTileK, kTileRows * kTileK, 64};
+  };
+  auto b_run = [&](int64_t j, int64_t n_steps) -> TileRun {
+    if (j >= blocks) return {zeros, 0, 0};
+    return {b_pairs + j * n_steps * kTileRows * kTileK, kTileRows * kTileK, 64};
+  };
+  auto park = [&](int64_t g, int64_t j) { return sums + (g * blocks + j) * kTileRows * kTileRows; };
+  // Round the sums of `tiles` tiles of group g, blocks j, j + 1, ... (out's tiles t0, t0 + 1, ...) into C,
+  // row by row across the tiles (a streamed row of two tiles is one whole cache line), nothing past the
+  // edges: 16 columns in one vcvtneps2bf16, the columns past N masked, so every element is rounded alike
+  // whatever the call's N.
+  auto write = [&](int t0, int tiles, int64_t g, int64_t j) {
+    const int64_t rows = std::min(kTileRows, M - g * kTileRows);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int t = 0; t < tiles; ++t) {
+        const int64_t cols = std::min(kTileRows, N - (j + t) * kTileRows);
+        if (cols <= 0) break;
+        BFloat16* c = C + (g * kTileRows + r) * ldc + (j + t) * kTileRows;
+        const __m256i v =
+            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out + ((t0 + t) * kTileRows + r) * kTileRows));
+        if (Stream && cols == kTileRows)
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(c), v);
+        else
+          _mm256_mask_storeu_epi16(c, static_cast<__mmask16>((1u << cols) - 1), v);
+      }
+  };
+  load_tile_config();
+  for (int64_t s0 = 0; s0 < steps; s0 += block_steps) {
+    const int64_t n_steps = std::min(block_steps, steps - s0);
+    const bool first = s0 == 0, last = s0 + n_steps == steps;
+    pair_rows(B, ldb, P, N, s0 * kTileK, n_steps, b_pairs);
+    memory_barrier();
+    // A tile's sums: from zero or its parked sums; to its parked sums, or (the last block) to `out` and C.
+    auto from = [&](int64_t g, int64_t j) {
+      return first || g >= groups || j >= blocks ? nullptr : park(g, j);
+    };
+    auto to = [&](int64_t g, int64_t j, int t) {
+      return last || g >= groups || j >= blocks ? out + t * kTileRows * kTileRows : park(g, j);
+    };
+    if (groups == 1) {
+      for (int64_t j = 0; j < blocks; j += 3) {
+        const TileRun b[3] = {b_run(j, n_steps), b_run(j + 1, n_steps), b_run(j + 2, n_steps)};
+        float* const start[3] = {from(0, j), from(0, j + 1), from(0, j + 2)};
+        float* const end[3] = {to(0, j, 0), to(0, j + 1, 1), to(0, j + 2, 2)};
+        outer_pass_1x3(a_run(0, s0), b, n_steps, start, end);
+        if (last) write(0, 3, 0, j);
+      }
+    } else {
+      for (int64_t j = 0; j < blocks; j += 2)
+        for (int64_t g = 0; g < groups; g += 2) {
+          const TileRun a[2] = {a_run(g, s0), a_run(g + 1, s0)};
+          const TileRun b[2] = {b_run(j, n_steps), b_run(j + 1, n_steps)};
+          float* const start[4] = {from(g, j), from(g, j + 1), from(g + 1, j), from(g + 1, j + 1)};
+          float* const end[4] = {to(g, j, 0), to(g, j + 1, 1), to(g + 1, j, 2), to(g + 1, j + 1, 3)};
+          outer_pass_2x2(a, b, n_steps, start, end);
+          if (last) {
+            write(0, 2, g, j);
+            if (g + 1 < groups) write(2, 2, g + 1, j);
+          }
+        }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 template <class T, bool Stream>
 void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
                 int64_t N, int64_t P) {
+#if defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<T, BFloat16>) return amx_outer<Stream>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, BFloat16>) {
     if (a_p == 1 && P > kPanelMinSteps) return outer_panels<Stream>(A, a_m, B, ldb, C, ldc, M, N, P);

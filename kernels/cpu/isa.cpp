@@ -5,6 +5,9 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 namespace kernmap::cpu {
 namespace {
 
@@ -17,7 +20,18 @@ struct LevelTable {
 constexpr LevelTable kLevels[] = {{Level::kBaseline, "baseline", &baseline::kTable},
                                   {Level::kAvx2, "avx2", &avx2::kTable},
                                   {Level::kAvx512, "avx512", &avx512::kTable},
-                                  {Level::kAvx512Bf16, "avx512bf16", &avx512bf16::kTable}};
+                                  {Level::kAvx512Bf16, "avx512bf16", &avx512bf16::kTable},
+                                  {Level::kAmx, "amx", &amx::kTable}};
+
+// Linux hands a process the AMX tile registers only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA, kernel 5.16 and later); asked once, for every thread of the process.
+bool os_grants_amx() {
+  static const bool granted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
 
 // __builtin_cpu_supports also checks that the OS saves the wider registers (XGETBV).
 bool cpu_runs(Level level) {
@@ -33,13 +47,16 @@ bool cpu_runs(Level level) {
              __builtin_cpu_supports("avx512dq");
     case Level::kAvx512Bf16:
       return cpu_runs(Level::kAvx512) && __builtin_cpu_supports("avx512bf16");
+    case Level::kAmx:
+      return cpu_runs(Level::kAvx512Bf16) && __builtin_cpu_supports("amx-tile") &&
+             __builtin_cpu_supports("amx-bf16") && os_grants_amx();
   }
   return false;
 }
 
 Level best_level() {
   Level best = Level::kBaseline;
-  for (Level l : {Level::kAvx2, Level::kAvx512, Level::kAvx512Bf16})
+  for (Level l : {Level::kAvx2, Level::kAvx512, Level::kAvx512Bf16, Level::kAmx})
     if (cpu_runs(l)) best = l;
   return best;
 }
@@ -51,8 +68,8 @@ Level initial_level() {
   std::optional<Level> want = parse_level(env);
   if (!want) {
     std::fprintf(stderr,
-                 "[kernmap] KERNMAP_CPU_ISA=%s is not a level (expected baseline, avx2, avx512 or "
-                 "avx512bf16); using %s\n",
+                 "[kernmap] KERNMAP_CPU_ISA=%s is not a level (expected baseline, avx2, avx512, "
+                 "avx512bf16 or amx); using %s\n",
                  env, level_name(best));
     return best;
   }

@@ -41,6 +41,9 @@ KERNMAP_CPU_ENTRY_POINTS(KERNMAP_CPU_DECLARE)
 namespace avx512bf16 {
 KERNMAP_CPU_ENTRY_POINTS(KERNMAP_CPU_DECLARE)
 }  // namespace avx512bf16
+namespace amx {
+KERNMAP_CPU_ENTRY_POINTS(KERNMAP_CPU_DECLARE)
+}  // namespace amx
 #undef KERNMAP_CPU_DECLARE
 
 }  // namespace kernmap::cpu

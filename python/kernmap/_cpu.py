@@ -1,5 +1,5 @@
 """The instruction-set level of kernmap's CPU kernels (docs/ops.md, "CPU kernels"): each kernel is compiled once
-per level ("baseline", "avx2", "avx512", "avx512bf16"); the process runs one level at a time, the best this CPU runs
+per level ("baseline", "avx2", "avx512", "avx512bf16", "amx"); the process runs one level at a time, the best this CPU runs
 unless KERNMAP_CPU_ISA caps it when the library loads. Tests and benchmarks compare levels in one process with
 `set_cpu_level`."""
 

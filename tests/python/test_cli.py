@@ -111,7 +111,7 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
     # bf16 grouped products: at a level without bf16 dot products the compute floor is the fp32 GEMM rate,
     # measured in the same run, whatever the bf16 GEMM rate.
     levels = supported_levels(run_cli)
-    wanted = [lv for lv in ("avx2", "avx512", "avx512bf16") if lv in levels][-2:]
+    wanted = [lv for lv in ("avx2", "avx512", "avx512bf16", "amx") if lv in levels][-2:]
     if not wanted:
         pytest.skip("this CPU runs no avx2")
     out = run_cli("bench", "ops", "--json", "--filter", "^grouped_mm/bfloat16", "--shape", "T256$",
@@ -124,7 +124,7 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
     assert sorted(r["level"] or "" for r in rows) == sorted(["", *wanted])
     for r in rows:
         rates = {"gemm fp32": dense["float32"]}
-        if r["level"] in ("avx512bf16", None):  # bf16 dot products, or the dense row (not kernmap's kernels)
+        if r["level"] in ("avx512bf16", "amx", None):  # bf16 products, or the dense row (not kernmap's)
             rates["gemm bf16"] = dense["bfloat16"]
         source, rate = max(rates.items(), key=lambda kv: kv[1])
         compute, memory = r["flops"] / (rate * 1e6), r["bytes"] / (copy * 1e6)
@@ -317,9 +317,9 @@ def test_command_line_mistakes_exit_2(run_cli, args, message):
     (["bench", "ops", "--reps", "zero"], "--reps must be an integer in [1, 100000], got 'zero'"),
     (["bench", "ops", "--warmup", "-3"], "--warmup must be an integer in [0, 100000], got '-3'"),
     (["bench", "ops", "--levels", "avx2,sse9"],
-     "--levels: unknown level 'sse9' (expected all or a comma list of baseline, avx2, avx512, avx512bf16)"),
+     "--levels: unknown level 'sse9' (expected all or a comma list of baseline, avx2, avx512, avx512bf16, amx)"),
     (["bench", "ops", "--levels", "avx2,"],
-     "--levels: unknown level '' (expected all or a comma list of baseline, avx2, avx512, avx512bf16)"),
+     "--levels: unknown level '' (expected all or a comma list of baseline, avx2, avx512, avx512bf16, amx)"),
 ])
 def test_bad_values_name_the_option_the_value_and_what_is_expected(run_cli, args, message):
     command, rest = args[0], args[1:]

@@ -25,7 +25,8 @@ namespace {
 using kernmap::cpu::Level;
 
 constexpr int kSkipped = 77;
-constexpr Level kCompiled[] = {Level::kBaseline, Level::kAvx2, Level::kAvx512, Level::kAvx512Bf16};
+constexpr Level kCompiled[] = {Level::kBaseline, Level::kAvx2, Level::kAvx512, Level::kAvx512Bf16,
+                               Level::kAmx};
 
 // Why this process cannot run `level`, or nullopt when it can. The library's first active level is the best
 // this CPU runs, capped by KERNMAP_CPU_ISA: levels above it are reported as capped.
@@ -136,7 +137,7 @@ int main(int argc, char** argv) {
     if (!level) {
       std::fprintf(stderr,
                    "test_kernels: unknown argument '%s' (expected gtest flags and --level=baseline, avx2, "
-                   "avx512 or avx512bf16)\n",
+                   "avx512, avx512bf16 or amx)\n",
                    argv[i]);
       return 2;
     }
