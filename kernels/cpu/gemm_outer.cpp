@@ -651,8 +651,8 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
         if (last) write(0, 3, 0, j);
       }
     } else {
-      for (int64_t j = 0; j < blocks; j += 2)
-        for (int64_t g = 0; g < groups; g += 2) {
+      for (int64_t g = 0; g < groups; g += 2)
+        for (int64_t j = 0; j < blocks; j += 2) {
           const TileRun a[2] = {a_run(g, s0), a_run(g + 1, s0)};
           const TileRun b[2] = {b_run(j, n_steps), b_run(j + 1, n_steps)};
           float* const start[4] = {from(g, j), from(g, j + 1), from(g + 1, j), from(g + 1, j + 1)};
