@@ -433,37 +433,38 @@ struct Group {
 
 // The last, partial step of K: each block's 16 row ends copied into a zero-padded tile, so that no load reads
 // past a row (into the next row, whose bits could be Inf or NaN against a zero pair) or past the end of B.
+// Returns the blocks of the step `k0`: w itself, or (the partial step) the copies, then read from their
+// start.
 template <int NB>
-inline void tail_tiles(const Block (&w)[NB], int64_t k0, int64_t K, BFloat16* buf) {
+inline void step_blocks(const Block (&w)[NB], int64_t k0, int64_t K, BFloat16* buf, Block (&out)[NB],
+                        int64_t& k) {
+  k = k0;
+  for (int j = 0; j < NB; ++j) out[j] = w[j];
+  if (k0 + kTileK <= K) return;
   std::memset(buf, 0, NB * kTileRows * kTileK * sizeof(BFloat16));
-  for (int j = 0; j < NB; ++j)
+  for (int j = 0; j < NB; ++j) {
     for (int64_t i = 0; i < kTileRows; ++i)
       std::memcpy(buf + (j * kTileRows + i) * kTileK, w[j].p + i * w[j].ld + k0, (K - k0) * sizeof(BFloat16));
+    out[j] = {buf + j * kTileRows * kTileK, kTileK};
+  }
+  k = 0;
   memory_barrier();
 }
 
-// One group, three blocks: out[j * 256 + i * 16 + m] = sum_k W_j[i][k] A[m][k].
+// One group, three blocks: out[j * 256 + i * 16 + m] = sum_k W_j[i][k] A[m][k]. (The two plans are written
+// out: tile numbers are immediates.)
 void amx_pass_1x3(const Block (&w)[3], const Group& a, int64_t K, BFloat16* tail, float* out) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
-  const int64_t full = K / kTileK;
-  for (int64_t s = 0; s < full; ++s) {
-    const int64_t k = s * kTileK;
+  for (int64_t s = 0; s * kTileK < K; ++s) {
+    Block b[3];
+    int64_t k;
+    step_blocks<3>(w, s * kTileK, K, tail, b, k);
     _tile_loadd(6, a.p + s * a.step, a.row_bytes);
-    _tile_loadd(3, w[0].p + k, w[0].ld * 2);
-    _tile_loadd(4, w[1].p + k, w[1].ld * 2);
-    _tile_loadd(5, w[2].p + k, w[2].ld * 2);
-    _tile_dpbf16ps(0, 3, 6);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-  }
-  if (K % kTileK) {
-    tail_tiles<3>(w, full * kTileK, K, tail);
-    _tile_loadd(6, a.p + full * a.step, a.row_bytes);
-    _tile_loadd(3, tail, 64);
-    _tile_loadd(4, tail + kTileRows * kTileK, 64);
-    _tile_loadd(5, tail + 2 * kTileRows * kTileK, 64);
+    _tile_loadd(3, b[0].p + k, b[0].ld * 2);
+    _tile_loadd(4, b[1].p + k, b[1].ld * 2);
+    _tile_loadd(5, b[2].p + k, b[2].ld * 2);
     _tile_dpbf16ps(0, 3, 6);
     _tile_dpbf16ps(1, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
@@ -480,24 +481,14 @@ void amx_pass_2x2(const Block (&w)[2], const Group& a0, const Group& a1, int64_t
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t full = K / kTileK;
-  for (int64_t s = 0; s < full; ++s) {
-    const int64_t k = s * kTileK;
+  for (int64_t s = 0; s * kTileK < K; ++s) {
+    Block b[2];
+    int64_t k;
+    step_blocks<2>(w, s * kTileK, K, tail, b, k);
     _tile_loadd(6, a0.p + s * a0.step, a0.row_bytes);
     _tile_loadd(7, a1.p + s * a1.step, a1.row_bytes);
-    _tile_loadd(4, w[0].p + k, w[0].ld * 2);
-    _tile_loadd(5, w[1].p + k, w[1].ld * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  if (K % kTileK) {
-    tail_tiles<2>(w, full * kTileK, K, tail);
-    _tile_loadd(6, a0.p + full * a0.step, a0.row_bytes);
-    _tile_loadd(7, a1.p + full * a1.step, a1.row_bytes);
-    _tile_loadd(4, tail, 64);
-    _tile_loadd(5, tail + kTileRows * kTileK, 64);
+    _tile_loadd(4, b[0].p + k, b[0].ld * 2);
+    _tile_loadd(5, b[1].p + k, b[1].ld * 2);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);

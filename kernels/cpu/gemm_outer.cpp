@@ -527,7 +527,8 @@ inline void pair_rows(const BFloat16* B, int64_t ldb, int64_t P, int64_t N, int6
   }
 }
 
-// One group against three blocks: tile j's sums start from start[j] (null: zero) and end in end[j].
+// One group against three blocks: tile j's sums start from start[j] (null: zero) and end in end[j]. (The two
+// plans are written out: tile numbers are immediates.)
 void outer_pass_1x3(const TileRun& a, const TileRun (&b)[3], int64_t steps, float* const (&start)[3],
                     float* const (&end)[3]) {
   KERNMAP_TILE_START(0, start[0]);
