@@ -1,7 +1,7 @@
 // The instruction-set level of kernmap's CPU kernels (docs/ops.md, "CPU kernels"). Each kernel is compiled
 // once per level; the process runs one level at a time, chosen at the first kernel call as the best this CPU
-// runs, capped by KERNMAP_CPU_ISA. Levels are named "baseline", "avx2", "avx512", "avx512bf16" and "amx", each
-// including the instructions of the levels before it.
+// runs, capped by KERNMAP_CPU_ISA. Levels are named "baseline", "avx2", "avx512", "avx512bf16" and "amx",
+// each including the instructions of the levels before it.
 #pragma once
 
 #include <cstdint>
