@@ -70,7 +70,12 @@ std::string mapping_file_text(const std::string& path, const std::vector<std::st
   text += std::string(mf::kVersionKey) + " = " + std::to_string(mf::kVersion) + "\n\n";
   for (const MappingFileSection& s : sections) {
     for (const std::string& line : s.comments) text += comment(line) + "\n";
-    text += "[" + toml_key(s.layer) + "." + toml_key(s.device) + "]\n";
+    // Appended piece by piece: GCC 12 reports a false -Wrestrict on "[" + std::string&&.
+    text += '[';
+    text += toml_key(s.layer);
+    text += '.';
+    text += toml_key(s.device);
+    text += "]\n";
     for (const auto& [mode, kernel] : s.modes)
       text += toml_key(to_string(mode)) + " = " + toml_string(kernel) + "\n";
     text += "\n";

@@ -58,7 +58,9 @@ TEST_P(SharedCase, BothMetricsAsExpected) {
       expect_near_rel(v.diff[s], diff[s], std::string(metric) + " diff at step " + std::to_string(s + 1));
       expect_near_rel(v.tolerance[s], tol[s],
                       std::string(metric) + " tolerance at step " + std::to_string(s + 1));
-      if (s > 0) EXPECT_GE(v.floor[s], v.floor[s - 1]) << "the floor never falls";
+      if (s > 0) {
+        EXPECT_GE(v.floor[s], v.floor[s - 1]) << "the floor never falls";
+      }
     }
     EXPECT_EQ(v.max_diff_step, want.at("max_diff_step").get<int64_t>()) << metric;
     EXPECT_EQ(v.worst_step, want.at("worst_step").get<int64_t>()) << metric;
