@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace kernmap::cpu {
@@ -28,6 +29,13 @@ const CacheSizes& cache_sizes();
 /// its task sizes (ops/grouped_mm.cpp); docs/performance.md, "gemm_bcast reduction blocks", has the
 /// measurements.
 int64_t l2_block_bytes();
+
+/// Whether a 512-bit FMA runs at twice the rate of a 256-bit one: every AVX-512 core but AMD's Zen 4 (family
+/// 25), which splits each 512-bit operation into two 256-bit halves. Read once from cpuid; the fp32 lanes
+/// form of gemm_nt reads it (docs/performance.md, "gemm_nt lanes form"). set_wide_fma overrides it (tests run
+/// both widths); nullopt goes back to the CPU's answer.
+bool wide_fma();
+void set_wide_fma(std::optional<bool> value);
 
 /// The first "model name" of /proc/cpuinfo ("AMD EPYC 9654 96-Core Processor"), or "unknown".
 std::string cpu_model();

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/cpu/amx.h"
+#include "kernels/cpu/cache.h"
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
@@ -127,17 +128,45 @@ void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, i
 #if defined(__AVX2__)
 // ---- The lanes form -------------------------------------------------------------------------------------
 
-// Rows per accumulator register: ymm, the same FMA throughput as zmm on Zen 4, and a finer step for uneven
-// groups (docs/performance.md, "gemm_nt lanes form").
-constexpr int kLanes = 8;
-// 8-row groups per pass over B: the block's kBlockCols x G accumulators, G vectors of A and one broadcast fit
-// the level's vector registers: 6 x 4 + 5 = 29 of AVX-512's 32 (up to 32 rows), 6 x 2 + 3 = 15 of AVX2's 16
-// (up to 16 rows; a larger group makes a second pass, over B rows the first left in L2).
+// Lane registers: rows of A per accumulator register. ymm (8 rows) at every level from AVX2: a finer step for
+// uneven groups. zmm (16 rows) for fp32 at the AVX-512 levels where a 512-bit FMA runs at twice a 256-bit
+// one's rate (wide_fma, kernels/cpu/cache.h: not Zen 4, where both widths have the same FLOP rate): at 16
+// rows a group, ymm issues two FMAs per weight element, zmm one (docs/performance.md, "gemm_nt lanes form").
+// Both widths give the same bits: each lane sums its row's products in the same order (the accumulator sets
+// follow the rows of a pass, at most 8 rows two sets, else one; passes are kRows rows at either width; the
+// dot-product tail counts 8-row groups).
+struct Ymm {
+  using V = __m256;
+  static constexpr int kWidth = 8, kCols = 6;  // kBlockCols below
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_load_ps(p); }
+  static V bcast(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, V v) { _mm256_store_ps(p, v); }
+};
 #if defined(__AVX512F__)
-constexpr int kMaxGroups = 4;
-#else
-constexpr int kMaxGroups = 2;
+struct Zmm {
+  using V = __m512;
+  static constexpr int kWidth = 16, kCols = 8;  // 8 columns: 8 accumulator chains at 16 rows
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_load_ps(p); }
+  static V bcast(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, V v) { _mm512_store_ps(p, v); }
+};
 #endif
+// Rows of A per pass over B: the block's kCols x G accumulators, G vectors of A and one broadcast fit the
+// level's vector registers: ymm 6 x 4 + 5 = 29 of AVX-512's 32 (32 rows), 6 x 2 + 3 = 15 of AVX2's 16 (16
+// rows); zmm 8 x 2 + 3 (32 rows). A larger group makes a second pass, over B rows the first left in L2.
+#if defined(__AVX512F__)
+constexpr int kRows = 32;
+#else
+constexpr int kRows = 16;
+#endif
+// The rows past the last whole 8-row group that go to the dot-product blocks (kDotRows), at either width.
+constexpr int kTailLanes = 8;
 // Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
 // block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2.
 constexpr int kPrefetchBytes = 256;
@@ -177,13 +206,14 @@ inline void unroll(F&& f) {
 // leave the FMA / dot-product pipes waiting on latency); step s of each 16 uses set s % S, the remainder set
 // 0; the sets are added in order at the end, so every result has a fixed summation order. `depth` steps in
 // all; each step reads one element (fp32) or pair (bf16) of every B row — 16 steps are one 64-byte line.
-template <int G, int NB, int S, class Step, class Last>
+template <class R, int G, int NB, int S, class Step, class Last>
 void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64_t line_step, Step step,
                 Last last, float* out) {
-  __m256 acc[S][NB][G];
+  using V = typename R::V;
+  V acc[S][NB][G];
   for (int s = 0; s < S; ++s)
     for (int j = 0; j < NB; ++j)
-      for (int g = 0; g < G; ++g) acc[s][j][g] = _mm256_setzero_ps();
+      for (int g = 0; g < G; ++g) acc[s][j][g] = R::zero();
   int64_t d = 0;
   // The next block: when B's rows are contiguous, its NB rows are one run of memory, fetched front to back
   // (NB lines a step) — one stream for the memory controller instead of NB (docs/performance.md, "gemm_nt
@@ -202,26 +232,52 @@ void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64
   last(acc[0]);
   for (int s = 1; s < S; ++s)
     for (int j = 0; j < NB; ++j)
-      for (int g = 0; g < G; ++g) acc[0][j][g] = _mm256_add_ps(acc[0][j][g], acc[s][j][g]);
+      for (int g = 0; g < G; ++g) acc[0][j][g] = R::add(acc[0][j][g], acc[s][j][g]);
   for (int j = 0; j < NB; ++j)
-    for (int g = 0; g < G; ++g) _mm256_store_ps(out + (j * G + g) * kLanes, acc[0][j][g]);
+    for (int g = 0; g < G; ++g) R::store(out + (j * G + g) * R::kWidth, acc[0][j][g]);
 }
 
-// fp32 block: out[j][8g + l] = sum_k P[k][8g + l] * W[j][k] (one FMA per term).
-template <int G, int NB>
-void lanes_block(const float* P, const float* W, int64_t ldw, int64_t K, float* out) {
+// fp32 block: out[j][w g + l] = sum_k P[k][w g + l] * W[j][k].
+//
+// Not inlined: inlined into lanes_rows' many instantiations, GCC 12 kept the zmm accumulators in memory, a
+// store of each one per step (2x slower); the call costs nothing against a block's K steps. The zmm loop
+// with one set is written out (the lambdas of lanes_loop made GCC spill there too): the same order of sums,
+// each B row prefetched kPrefetchBytes ahead.
+template <class R, int G, int NB, int S>
+__attribute__((noinline)) void lanes_block(const float* P, const float* W, int64_t ldw, int64_t K,
+                                           float* out) {
+  using V = typename R::V;
   const float* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
-  auto step = [&](int64_t k, __m256(&acc)[NB][G]) {
-    __m256 a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(P + (k * G + g) * kLanes);
+  if constexpr (S == 1 && R::kWidth == 16) {
+    V acc[NB][G];
+    for (int j = 0; j < NB; ++j)
+      for (int g = 0; g < G; ++g) acc[j][g] = R::zero();
+    for (int64_t k = 0; k < K; ++k) {
+      if (k % 16 == 0)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w[j] + k) + kPrefetchBytes, _MM_HINT_T0);
+      V a[G];
+      for (int g = 0; g < G; ++g) a[g] = R::load(P + (k * G + g) * R::kWidth);
+      for (int j = 0; j < NB; ++j) {
+        const V b = R::bcast(w[j][k]);
+        for (int g = 0; g < G; ++g) acc[j][g] = R::fma(a[g], b, acc[j][g]);
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int g = 0; g < G; ++g) R::store(out + (j * G + g) * R::kWidth, acc[j][g]);
+    return;
+  }
+  auto step = [&](int64_t k, V(&acc)[NB][G]) {
+    V a[G];
+    for (int g = 0; g < G; ++g) a[g] = R::load(P + (k * G + g) * R::kWidth);
     for (int j = 0; j < NB; ++j) {
-      const __m256 b = _mm256_set1_ps(w[j][k]);
-      for (int g = 0; g < G; ++g) acc[j][g] = _mm256_fmadd_ps(a[g], b, acc[j][g]);
+      const V b = R::bcast(w[j][k]);
+      for (int g = 0; g < G; ++g) acc[j][g] = R::fma(a[g], b, acc[j][g]);
     }
   };
-  lanes_loop<G, NB, (G == 1 ? 2 : 1)>(
-      K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step, [](__m256(&)[NB][G]) {}, out);
+  lanes_loop<R, G, NB, S>(
+      K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step, [](V(&)[NB][G]) {}, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -233,14 +289,14 @@ inline uint32_t load_pair(const BFloat16* p) {
 
 // bf16 block: P holds (A[r][2p], A[r][2p+1]) pairs as [pair][8g + l]; each vdpbf16ps adds both products of a
 // pair to the fp32 lane. An odd K ends with a pair whose second element is zero on both sides.
-template <int G, int NB>
+template <class R, int G, int NB, int>
 void lanes_block(const uint32_t* P, const BFloat16* W, int64_t ldw, int64_t K, float* out) {
   const BFloat16* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
   auto pair_step = [&](int64_t p, __m256(&acc)[NB][G], auto pair_of) {
     __m256i a[G];
     for (int g = 0; g < G; ++g)
-      a[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(P + (p * G + g) * kLanes));
+      a[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(P + (p * G + g) * 8));
     for (int j = 0; j < NB; ++j) {
       const __m256bh b = (__m256bh)_mm256_set1_epi32(static_cast<int>(pair_of(w[j] + 2 * p)));
       for (int g = 0; g < G; ++g) acc[j][g] = _mm256_dpbf16_ps(acc[j][g], (__m256bh)a[g], b);
@@ -252,48 +308,48 @@ void lanes_block(const uint32_t* P, const BFloat16* W, int64_t ldw, int64_t K, f
   auto last = [&](__m256(&acc)[NB][G]) {
     if (K % 2) pair_step(K / 2, acc, [](const BFloat16* q) { return uint32_t(q->bits); });
   };
-  lanes_loop<G, NB,
+  lanes_loop<R, G, NB,
              (G == 1   ? 4
               : G == 2 ? 2
                        : 1)>(K / 2, reinterpret_cast<const char* const*>(w), ldw * 2, 4, step, last, out);
 }
 #endif
 
-// One pass of up to 8G rows over columns [0, cols) of W: blocks of kBlockCols columns, the remainder in
-// blocks of 4, 2 and 1. Results go to C rounded once.
-template <int G, class P, class WT, class T>
+template <class R, int G, int S, class P, class WT, class T>
 void lanes_rows(const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols, T* C,
                 int64_t ldc) {
-  alignas(64) float out[kBlockCols * G * kLanes];
+  alignas(64) float out[R::kCols * G * R::kWidth];
   int64_t n = 0;
   auto run = [&](auto nb) {
     constexpr int NB = decltype(nb)::value;
     for (; n + NB <= cols; n += NB) {
-      lanes_block<G, NB>(packed, W + n * ldw, ldw, K, out);
+      lanes_block<R, G, NB, S>(packed, W + n * ldw, ldw, K, out);
       for (int64_t r = 0; r < rows; ++r)
-        for (int j = 0; j < NB; ++j) C[r * ldc + n + j] = from_acc<T>(out[j * G * kLanes + r]);
+        for (int j = 0; j < NB; ++j) C[r * ldc + n + j] = from_acc<T>(out[j * G * R::kWidth + r]);
     }
   };
-  run(std::integral_constant<int, kBlockCols>{});
+  run(std::integral_constant<int, R::kCols>{});
   run(std::integral_constant<int, 4>{});
   run(std::integral_constant<int, 2>{});
   run(std::integral_constant<int, 1>{});
 }
 
-template <class P, class WT, class T>
-void lanes_rows_any(int G, const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols,
-                    T* C, int64_t ldc) {
-  if (G <= 1) return lanes_rows<1>(packed, W, ldw, K, rows, cols, C, ldc);
-  if constexpr (kMaxGroups == 2) {
-    return lanes_rows<2>(packed, W, ldw, K, rows, cols, C, ldc);
+template <class R, class P, class WT, class T>
+void lanes_rows_any(const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols, T* C,
+                    int64_t ldc) {
+  const int G = static_cast<int>((rows + R::kWidth - 1) / R::kWidth);
+  if (rows <= 8) return lanes_rows<R, 1, 2>(packed, W, ldw, K, rows, cols, C, ldc);
+  if (G <= 1) return lanes_rows<R, 1, 1>(packed, W, ldw, K, rows, cols, C, ldc);
+  if constexpr (kRows / R::kWidth == 2) {
+    return lanes_rows<R, 2, 1>(packed, W, ldw, K, rows, cols, C, ldc);
   } else {
     switch (G) {
       case 2:
-        return lanes_rows<2>(packed, W, ldw, K, rows, cols, C, ldc);
+        return lanes_rows<R, 2, 1>(packed, W, ldw, K, rows, cols, C, ldc);
       case 3:
-        return lanes_rows<3>(packed, W, ldw, K, rows, cols, C, ldc);
+        return lanes_rows<R, 3, 1>(packed, W, ldw, K, rows, cols, C, ldc);
       default:
-        return lanes_rows<4>(packed, W, ldw, K, rows, cols, C, ldc);
+        return lanes_rows<R, 4, 1>(packed, W, ldw, K, rows, cols, C, ldc);
     }
   }
 }
@@ -348,17 +404,17 @@ constexpr int64_t kDotRows = 3;
 constexpr int64_t kDotRows = 1;
 #endif
 
-template <class T>
-void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
-                int64_t K) {
+template <class R, class T>
+void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
+                   int64_t K) {
   if (M <= 0 || N <= 0) return;
-  constexpr int64_t kRows = kLanes * kMaxGroups;
+  constexpr int64_t kW = R::kWidth;
 #if defined(__AVX512BF16__)
   constexpr bool kPairs = std::is_same_v<T, BFloat16>;
 #else
   constexpr bool kPairs = false;
 #endif
-  const int64_t tail = M % kLanes <= kDotRows ? M % kLanes : 0;
+  const int64_t tail = M % kTailLanes <= kDotRows ? M % kTailLanes : 0;
   const int64_t Ml = M - tail;  // rows through the lanes form
   const int64_t chunks = (Ml + kRows - 1) / kRows;
   using P = std::conditional_t<kPairs, uint32_t, float>;
@@ -366,12 +422,12 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
   // Chunk c covers rows [c * kRows, ...) in ceil(rows / 8) groups, packed one after another.
   std::vector<int64_t> at(chunks + 1, 0);
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t rows = std::min(kRows, Ml - c * kRows);
-    at[c + 1] = at[c] + depth * ((rows + kLanes - 1) / kLanes) * kLanes;
+    const int64_t rows = std::min<int64_t>(kRows, Ml - c * kRows);
+    at[c + 1] = at[c] + depth * ((rows + kW - 1) / kW) * kW;
   }
   P* packed = static_cast<P*>(scratch<0>(std::max<int64_t>(1, at[chunks]) * sizeof(P)));
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t rows = std::min(kRows, Ml - c * kRows),
+    const int64_t rows = std::min<int64_t>(kRows, Ml - c * kRows),
                   L = (at[c + 1] - at[c]) / std::max<int64_t>(1, depth);
     if constexpr (kPairs)
       pack_pairs(A + c * kRows * lda, lda, rows, L, K, packed + at[c]);
@@ -380,9 +436,8 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
   }
   auto pass = [&](const auto* W, int64_t ldw, int64_t n0, int64_t cols) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t rows = std::min(kRows, Ml - c * kRows);
-      lanes_rows_any(static_cast<int>((rows + kLanes - 1) / kLanes), packed + at[c], W, ldw, K, rows, cols,
-                     C + c * kRows * ldc + n0, ldc);
+      const int64_t rows = std::min<int64_t>(kRows, Ml - c * kRows);
+      lanes_rows_any<R>(packed + at[c], W, ldw, K, rows, cols, C + c * kRows * ldc + n0, ldc);
     }
   };
   // The dot-product rows, copied one 64-byte line apart (rows of a power-of-two length would share the L1
@@ -391,8 +446,8 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
   T* At = static_cast<T*>(scratch<2>(std::max<int64_t>(1, tail * ldt) * sizeof(T)));
   for (int64_t r = 0; r < tail; ++r) std::memcpy(At + r * ldt, A + (Ml + r) * lda, K * sizeof(T));
   T* Ct = C + Ml * ldc;
-  for (int64_t n0 = 0; n0 < N; n0 += kBlockCols) {
-    const int64_t cols = std::min<int64_t>(kBlockCols, N - n0);
+  for (int64_t n0 = 0; n0 < N; n0 += R::kCols) {
+    const int64_t cols = std::min<int64_t>(R::kCols, N - n0);
     const T* W = B + n0 * ldb;
     pass(W, ldb, n0, cols);
     if (tail == 1) dot_rows<T, 1>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
@@ -401,6 +456,16 @@ void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t 
       if (tail == 3) dot_rows<T, 3>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
     }
   }
+}
+template <class T>
+void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
+                int64_t K) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (wide_fma()) return lanes_gemm_in<Zmm>(A, lda, B, ldb, C, ldc, M, N, K);
+  }
+#endif
+  lanes_gemm_in<Ymm>(A, lda, B, ldb, C, ldc, M, N, K);
 }
 #endif
 

@@ -5,9 +5,14 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
+#include <vector>
 
+#include "kernels/cpu/cache.h"
+#include "kernels/cpu/isa.h"
 #include "kernmap/ops.h"
+#include "ops/checks.h"
 #include "tests/cpp/kernels/checks.h"
 
 namespace kernmap::testing {
@@ -78,6 +83,27 @@ void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c) {
   expected[3].fill_(true);                             // row 3 (group 0) times every column
   expected.slice(0, 17, 40).select(1, 5).fill_(true);  // column 5 of group 2's rows
   EXPECT_TRUE(at::equal(bad, expected)) << bad.nonzero();
+}
+
+// gemm_nt's fp32 lanes form gives the same bits in ymm and zmm lanes (the width follows the CPU, see
+// kernels/cpu/cache.h, wide_fma), over row counts around every group, pass and dot-product-tail boundary.
+void gemm_nt_same_bits_at_either_lane_width(const Case& c) {
+  const auto& kern = kernmap::cpu::kernel_table();
+  const int64_t K = c["K"], N = c["N"];
+  for (int64_t M : {1, 3, 7, 8, 9, 11, 15, 16, 17, 20, 24, 27, 31, 32, 33, 40, 48, 63, 70}) {
+    const at::Tensor a = randn({M, K}, c.dtype), b = randn({N, K}, c.dtype);
+    std::vector<at::Tensor> out;
+    for (bool wide : {false, true}) {
+      kernmap::cpu::set_wide_fma(wide);
+      at::Tensor y = at::empty({M, N}, c.dtype);
+      kern.gemm_nt(kernmap::ops::cpu_dtype(c.dtype), M, N, K, a.const_data_ptr(), K, b.const_data_ptr(), K,
+                   y.data_ptr(), N);
+      out.push_back(y);
+    }
+    kernmap::cpu::set_wide_fma(std::nullopt);
+    EXPECT_TRUE(at::equal(out[0], out[1])) << "M = " << M;
+    EXPECT_TRUE(at::allclose(out[0], at::mm(a, b.t()), 1e-4, 1e-4)) << "M = " << M;
+  }
 }
 
 // Each output element is summed in one order whatever the thread count (the column tiles per task change with
