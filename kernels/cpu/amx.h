@@ -24,6 +24,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// The operand tile of each step of a reduction: step s at(s) bytes from p, its 16 rows row_bytes apart (0:
+// the same row 16 times, a zero tile read from one zero row, with step_bytes 0 too).
+struct TileRun {
+  const void* p;
+  int64_t step_bytes, row_bytes;
+  const void* at(int64_t s) const { return static_cast<const char*>(p) + s * step_bytes; }
+};
+
 // Loaded on every call: the thread's tile configuration is shared with any other AMX user (oneDNN).
 inline void load_tile_config() {
   static const TileConfig config = [] {

@@ -490,16 +490,11 @@ struct Block {
   const BFloat16* p;
   int64_t ld;
 };
-// 16 pair rows of an activation group per step: step s at p + s * step, rows 64 bytes apart (or 0 apart).
-struct Group {
-  const uint32_t* p;
-  int64_t step, row_bytes;
-};
 
 // The last, partial step of K: each block's 16 row ends copied into a zero-padded tile, so that no load reads
 // past a row (into the next row, whose bits could be Inf or NaN against a zero pair) or past the end of B.
-// Returns the blocks of the step `k0`: w itself, or (the partial step) the copies, then read from their
-// start.
+// Sets `out` to the blocks of the step at k0 and `k` to the column their tiles start at: w and k0, or (the
+// partial step) the copies and 0.
 template <int NB>
 inline void step_blocks(const Block (&w)[NB], int64_t k0, int64_t K, BFloat16* buf, Block (&out)[NB],
                         int64_t& k) {
@@ -518,7 +513,7 @@ inline void step_blocks(const Block (&w)[NB], int64_t k0, int64_t K, BFloat16* b
 
 // One group, three blocks: out[j * 256 + i * 16 + m] = sum_k W_j[i][k] A[m][k]. (The two plans are written
 // out: tile numbers are immediates.)
-void amx_pass_1x3(const Block (&w)[3], const Group& a, int64_t K, BFloat16* tail, float* out) {
+void amx_pass_1x3(const Block (&w)[3], const TileRun& a, int64_t K, BFloat16* tail, float* out) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -526,7 +521,7 @@ void amx_pass_1x3(const Block (&w)[3], const Group& a, int64_t K, BFloat16* tail
     Block b[3];
     int64_t k;
     step_blocks<3>(w, s * kTileK, K, tail, b, k);
-    _tile_loadd(6, a.p + s * a.step, a.row_bytes);
+    _tile_loadd(6, a.at(s), a.row_bytes);
     _tile_loadd(3, b[0].p + k, b[0].ld * 2);
     _tile_loadd(4, b[1].p + k, b[1].ld * 2);
     _tile_loadd(5, b[2].p + k, b[2].ld * 2);
@@ -540,7 +535,7 @@ void amx_pass_1x3(const Block (&w)[3], const Group& a, int64_t K, BFloat16* tail
 }
 
 // Two groups, two blocks: out[(2j + g) * 256 + i * 16 + m] = sum_k W_j[i][k] A_g[m][k].
-void amx_pass_2x2(const Block (&w)[2], const Group& a0, const Group& a1, int64_t K, BFloat16* tail,
+void amx_pass_2x2(const Block (&w)[2], const TileRun& a0, const TileRun& a1, int64_t K, BFloat16* tail,
                   float* out) {
   _tile_zero(0);
   _tile_zero(1);
@@ -550,8 +545,8 @@ void amx_pass_2x2(const Block (&w)[2], const Group& a0, const Group& a1, int64_t
     Block b[2];
     int64_t k;
     step_blocks<2>(w, s * kTileK, K, tail, b, k);
-    _tile_loadd(6, a0.p + s * a0.step, a0.row_bytes);
-    _tile_loadd(7, a1.p + s * a1.step, a1.row_bytes);
+    _tile_loadd(6, a0.at(s), a0.row_bytes);
+    _tile_loadd(7, a1.at(s), a1.row_bytes);
     _tile_loadd(4, b[0].p + k, b[0].ld * 2);
     _tile_loadd(5, b[1].p + k, b[1].ld * 2);
     _tile_dpbf16ps(0, 4, 6);
@@ -600,9 +595,9 @@ void amx_gemm(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BF
     if (b < blocks) return {padded, Kp};
     return {zeros, 0};
   };
-  auto group = [&](int64_t g) -> Group {
-    if (g < groups) return {packed + g * group_words, kTileRows * kTileRows, 64};
-    return {reinterpret_cast<const uint32_t*>(zeros), 0, 0};
+  auto group = [&](int64_t g) -> TileRun {
+    if (g < groups) return {packed + g * group_words, kTileRows * kTileRows * 4, 64};
+    return {zeros, 0, 0};
   };
   // out[t][i][m] -> C rows m of group g, columns of block b.
   auto write = [&](const float* out, int64_t b, int64_t g) {

@@ -501,12 +501,6 @@ void row_blocks(int64_t M, Block&& block) {
 // sums, tmm3-5 B, tmm6 A), or groups in pairs against 2 blocks (tmm0-3, tmm4-5 B, tmm6-7 A); blocks and
 // groups past the edge are zero tiles read with a zero stride.
 
-// One operand tile per step: step s at p + s * step, rows row_bytes apart.
-struct TileRun {
-  const BFloat16* p;
-  int64_t step, row_bytes;
-};
-
 // Rows [p0, p0 + steps * 32) of B (zero past P and past N) as pairs: block j's pair row q at
 // out + (j * steps * 16 + q) * 32.
 inline void pair_rows(const BFloat16* B, int64_t ldb, int64_t P, int64_t N, int64_t p0, int64_t steps,
@@ -535,10 +529,10 @@ void outer_pass_1x3(const TileRun& a, const TileRun (&b)[3], int64_t steps, floa
   KERNMAP_TILE_START(1, start[1]);
   KERNMAP_TILE_START(2, start[2]);
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, a.p + s * a.step, a.row_bytes);
-    _tile_loadd(3, b[0].p + s * b[0].step, b[0].row_bytes);
-    _tile_loadd(4, b[1].p + s * b[1].step, b[1].row_bytes);
-    _tile_loadd(5, b[2].p + s * b[2].step, b[2].row_bytes);
+    _tile_loadd(6, a.at(s), a.row_bytes);
+    _tile_loadd(3, b[0].at(s), b[0].row_bytes);
+    _tile_loadd(4, b[1].at(s), b[1].row_bytes);
+    _tile_loadd(5, b[2].at(s), b[2].row_bytes);
     _tile_dpbf16ps(0, 6, 3);
     _tile_dpbf16ps(1, 6, 4);
     _tile_dpbf16ps(2, 6, 5);
@@ -556,10 +550,10 @@ void outer_pass_2x2(const TileRun (&a)[2], const TileRun (&b)[2], int64_t steps,
   KERNMAP_TILE_START(2, start[2]);
   KERNMAP_TILE_START(3, start[3]);
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, a[0].p + s * a[0].step, a[0].row_bytes);
-    _tile_loadd(7, a[1].p + s * a[1].step, a[1].row_bytes);
-    _tile_loadd(4, b[0].p + s * b[0].step, b[0].row_bytes);
-    _tile_loadd(5, b[1].p + s * b[1].step, b[1].row_bytes);
+    _tile_loadd(6, a[0].at(s), a[0].row_bytes);
+    _tile_loadd(7, a[1].at(s), a[1].row_bytes);
+    _tile_loadd(4, b[0].at(s), b[0].row_bytes);
+    _tile_loadd(5, b[1].at(s), b[1].row_bytes);
     _tile_dpbf16ps(0, 6, 4);
     _tile_dpbf16ps(1, 6, 5);
     _tile_dpbf16ps(2, 7, 4);
@@ -604,11 +598,11 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
   std::memset(const_cast<BFloat16*>(zeros), 0, kTileK * sizeof(BFloat16));
   auto a_run = [&](int64_t g, int64_t s0) -> TileRun {
     if (g >= groups) return {zeros, 0, 0};
-    return {a_tiles + (g * steps + s0) * kTileRows * kTileK, kTileRows * kTileK, 64};
+    return {a_tiles + (g * steps + s0) * kTileRows * kTileK, kTileRows * kTileK * 2, 64};
   };
   auto b_run = [&](int64_t j, int64_t n_steps) -> TileRun {
     if (j >= blocks) return {zeros, 0, 0};
-    return {b_pairs + j * n_steps * kTileRows * kTileK, kTileRows * kTileK, 64};
+    return {b_pairs + j * n_steps * kTileRows * kTileK, kTileRows * kTileK * 2, 64};
   };
   auto park = [&](int64_t g, int64_t j) { return sums + (g * blocks + j) * kTileRows * kTileRows; };
   // Round the sums of `tiles` tiles of group g, blocks j, j + 1, ... (out's tiles t0, t0 + 1, ...) into C,

@@ -56,8 +56,8 @@ bool cpu_runs(Level level) {
 
 Level best_level() {
   Level best = Level::kBaseline;
-  for (Level l : {Level::kAvx2, Level::kAvx512, Level::kAvx512Bf16, Level::kAmx})
-    if (cpu_runs(l)) best = l;
+  for (const LevelTable& l : kLevels)
+    if (cpu_runs(l.level)) best = l.level;
   return best;
 }
 
