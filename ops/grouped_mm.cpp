@@ -270,8 +270,10 @@ bool backward_blas(const at::Tensor& t) {
 // BLAS, one call per group and kBlasCols columns: BLAS wins for bf16 from about 64 rows a group, the kernels
 // everywhere else (docs/performance.md, "Grouped products: tasks and routing").
 constexpr int64_t kBf16BlasRows = 64;
+// Where torch's bf16 product is its scalar fallback (kernels/cpu/cache.h, bf16_gemm_native), every bf16 group
+// stays on the kernels.
 bool blas_group(at::ScalarType t, int64_t rows) {
-  return t == at::kBFloat16 && rows >= kBf16BlasRows;
+  return t == at::kBFloat16 && rows >= kBf16BlasRows && cpu::bf16_gemm_native();
 }
 
 // out[rows, cols of t] = a[rows of t] @ b[t.group][:, cols of t], one BLAS call.
@@ -298,24 +300,27 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
     // A group of kBlasRows rows or more is one BLAS call over all its rows and columns (as the per-group loop
     // does: one packing of its rows of a, no edge tiles); smaller groups go to gemm_nt whole (all their rows)
     // in column tiles of nt_col_tile.
+    // bf16 without a bf16 BLAS (kernels/cpu/cache.h, bf16_gemm_native): every group through gemm_nt.
+    const int64_t blas_rows =
+        a.scalar_type() == at::kBFloat16 && !cpu::bf16_gemm_native() ? INT64_MAX : kBlasRows;
     std::vector<Task> nt_tasks;
     const std::vector<int64_t> starts = group_starts(offs);
     const int64_t E = static_cast<int64_t>(starts.size()) - 1;
     int64_t small = 0;
     for (int64_t e = 0; e < E; ++e)
-      small += starts[e + 1] > starts[e] && starts[e + 1] - starts[e] < kBlasRows;
+      small += starts[e + 1] > starts[e] && starts[e + 1] - starts[e] < blas_rows;
     const int64_t col_tile = nt_col_tile(N, small, at::get_num_threads());
     for (int64_t e = 0; e < E; ++e) {
       const int64_t s = starts[e], end = starts[e + 1];
       if (s == end) continue;
-      if (end - s >= kBlasRows) {
+      if (end - s >= blas_rows) {
         nt_tasks.push_back({e, s, end, 0, N});
         continue;
       }
       for (int64_t c = 0; c < N; c += col_tile) nt_tasks.push_back({e, s, end, c, std::min(c + col_tile, N)});
     }
     run_tasks(nt_tasks, [&](const Task& t) {
-      if (t.r1 - t.r0 >= kBlasRows) {
+      if (t.r1 - t.r0 >= blas_rows) {
         mm_task(out, a, b, t);
         return;
       }

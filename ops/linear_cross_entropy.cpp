@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/cpu/cache.h"
 #include "kernels/cpu/isa.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
@@ -142,42 +143,57 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
   const at::Tensor rows = at::from_blob(const_cast<int64_t*>(t.row.data()), {n}, at::kLong);
   const auto& k = cpu::kernel_table();
   const cpu::DType dt = cpu_dtype(hidden.scalar_type());
-  const at::Tensor wt = weight.t();
+  // bf16 where torch's bf16 product is its scalar fallback (kernels/cpu/cache.h, bf16_gemm_native): the three
+  // products in fp32 on fp32 copies of the operands, each result rounded to bf16 where the bf16 product's
+  // would be (the logits; the hidden gradient), the weight gradient summed over the chunks in fp32 and
+  // rounded once. Costs fp32 copies of the weight and of its gradient (docs/ops.md, "Fused linear
+  // cross-entropy").
+  const bool in_fp32 = hidden.scalar_type() == at::kBFloat16 && !cpu::bf16_gemm_native();
+  const at::Tensor w = in_fp32 ? weight.to(at::kFloat) : weight;
+  const at::Tensor wt = w.t();
+  const at::Tensor b = bias && in_fp32 ? bias->to(at::kFloat) : bias ? *bias : at::Tensor();
+  at::Tensor gw_acc = want_gw && in_fp32 ? at::empty({V, H}, w.options()) : gw;
+  at::Tensor z32_buf = in_fp32 ? at::empty({C, V}, w.options()) : at::Tensor();
   for (int64_t c0 = 0; c0 < n; c0 += C) {
     const int64_t c = std::min(C, n - c0);
     // Rows of one run of consecutive counted rows are read in place; others are gathered.
     const bool run = t.row[c0 + c - 1] - t.row[c0] == c - 1;
     const at::Tensor idx = rows.narrow(0, c0, c);
-    const at::Tensor hc = run ? hidden.narrow(0, t.row[c0], c) : hidden.index_select(0, idx);
+    const at::Tensor hc_in = run ? hidden.narrow(0, t.row[c0], c) : hidden.index_select(0, idx);
+    const at::Tensor hc = in_fp32 ? hc_in.to(at::kFloat) : hc_in;
     at::Tensor z = z_buf.narrow(0, 0, c);
+    at::Tensor zp = in_fp32 ? z32_buf.narrow(0, 0, c) : z;  // the products' output
     if (bias) {
-      at::addmm_out(z, *bias, hc, wt);
+      at::addmm_out(zp, b, hc, wt);
     } else {
-      at::mm_out(z, hc, wt);
+      at::mm_out(zp, hc, wt);
     }
+    if (in_fp32) z.copy_(zp);
     at::parallel_for(0, c, 1, [&](int64_t r0, int64_t r1) {
       k.cross_entropy_rows(dt, z.data_ptr(), V, V, t.label.data() + c0, scale,
                            static_cast<char*>(row_loss.data_ptr()) + c0 * row_loss.element_size(), grad, r0,
                            r1);
     });
     if (!grad) continue;
+    if (in_fp32) zp.copy_(z);  // the softmax gradient, as rounded to bf16 in place
     if (want_gh) {
-      if (run) {
+      if (run && !in_fp32) {
         at::Tensor out = gh.narrow(0, t.row[c0], c);
         at::mm_out(out, z, weight);
       } else {
-        gh.index_copy_(0, idx, at::mm(z, weight));
+        gh.index_copy_(0, idx, at::mm(zp, w).to(gh.scalar_type()));
       }
     }
     if (want_gw) {
       if (c0 == 0) {
-        at::mm_out(gw, z.t(), hc);
+        at::mm_out(gw_acc, zp.t(), hc);
       } else {
-        gw.addmm_(z.t(), hc);
+        gw_acc.addmm_(zp.t(), hc);
       }
     }
     if (want_gb) gb_acc.add_(z.sum(0, /*keepdim=*/false, acc_t));
   }
+  if (want_gw && in_fp32 && n > 0) gw.copy_(gw_acc);
   // The counted rows' losses summed in row order in float64, then divided in the loss's dtype.
   double sum = 0;
   const at::Tensor rl = row_loss.to(at::kDouble);

@@ -5,8 +5,10 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <stdexcept>
 
 namespace kernmap::cpu {
 namespace {
@@ -96,6 +98,30 @@ bool wide_fma() {
 
 void set_wide_fma(std::optional<bool> value) {
   wide_fma_override.store(value ? (*value ? 1 : 0) : -1, std::memory_order_relaxed);
+}
+
+namespace {
+
+bool cpu_has_bf16_gemm() {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return true;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (edx >> 5 & 1u);  // AVX-NE-CONVERT
+}
+
+}  // namespace
+
+bool bf16_gemm_native() {
+  static const bool cpu = cpu_has_bf16_gemm();
+  if (const char* v = std::getenv("KERNMAP_BF16_GEMM")) {
+    if (std::strcmp(v, "native") == 0) return true;
+    if (std::strcmp(v, "fp32") == 0) return false;
+    if (*v != '\0')
+      throw std::invalid_argument(
+          std::string("kernmap: KERNMAP_BF16_GEMM must be 'native' or 'fp32', got '") + v + "'");
+  }
+  return cpu;
 }
 
 std::string cpu_model() {

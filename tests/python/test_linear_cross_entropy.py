@@ -324,3 +324,27 @@ def test_bad_input_names_the_argument(call, message):
     with pytest.raises(RuntimeError) as err:
         call()
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("route", ["native", "fp32"])
+def test_bf16_products_in_either_route_match_transformers(chunk_rows, monkeypatch, route):
+    """bf16 through torch's bf16 product (native) or in fp32 (where torch's bf16 product is its scalar
+    fallback, kernels/cpu/cache.h bf16_gemm_native; KERNMAP_BF16_GEMM forces either): several chunks, gathered
+    rows, bias; the two routes agree with transformers and with each other within bf16's rounding."""
+    chunk_rows(16)
+    hidden, weight, bias, labels = make(90, 40, 333, torch.bfloat16, bias=True, ignore=[*range(5, 30), 70])
+    monkeypatch.setenv("KERNMAP_BF16_GEMM", route)
+    check_against_transformers(kernmap_loss, torch.bfloat16, hidden, weight, bias, labels)
+    loss, grads = loss_and_grads(kernmap_loss, hidden, weight, bias, labels)
+    monkeypatch.setenv("KERNMAP_BF16_GEMM", "fp32" if route == "native" else "native")
+    other, other_grads = loss_and_grads(kernmap_loss, hidden, weight, bias, labels)
+    assert abs(loss.item() - other.item()) <= 1e-2 * abs(other.item())
+    for g, o in zip(grads, other_grads):
+        assert rel_err(g, o) <= 2e-2
+
+
+def test_bad_bf16_gemm_setting_is_an_error(monkeypatch):
+    hidden, weight, _, labels = make(4, 8, 16, torch.bfloat16)
+    monkeypatch.setenv("KERNMAP_BF16_GEMM", "fast")
+    with pytest.raises(RuntimeError, match="KERNMAP_BF16_GEMM must be 'native' or 'fp32', got 'fast'"):
+        ops.linear_cross_entropy(hidden, weight, labels)

@@ -68,6 +68,23 @@ def test_grouped_mm_matches_reference_and_transformers(dtype, grouping, b_layout
         assert_close(y, torch._grouped_mm(a, b, offs=offs), dtype, terms=K)
 
 
+@pytest.mark.parametrize("route", ["native", "fp32"])
+def test_grouped_mm_bf16_large_groups_in_either_route(monkeypatch, route):
+    """bf16 groups of 64+ rows go to torch's bf16 product where it is native, to the kernels where torch's is
+    its scalar fallback (kernels/cpu/cache.h bf16_gemm_native; KERNMAP_BF16_GEMM forces either): forward and
+    backward match the reference either way, in both weight layouts."""
+    monkeypatch.setenv("KERNMAP_BF16_GEMM", route)
+    counts = GROUPINGS["BLAS_sized"]
+    T, E, K, N = sum(counts), len(counts), 40, 24
+    a = torch.randn(T, K).to(torch.bfloat16)
+    offs = offsets(counts)
+    for b in (torch.randn(E, K, N).to(torch.bfloat16), torch.randn(E, N, K).to(torch.bfloat16).transpose(1, 2)):
+        (y, (da, db, _)), (yr, (dar, dbr, _)) = (grads_of(f, [a, b, offs]) for f in (ops.grouped_mm, ops.reference_grouped_mm))
+        assert_close(y, yr, torch.bfloat16, terms=K)
+        assert_close(da, dar, torch.bfloat16, terms=N)
+        assert_close(db, dbr, torch.bfloat16, terms=max(counts))
+
+
 def test_grouped_mm_zero_row_groups_get_zero_weight_grad():
     a = torch.randn(4, 6)
     b = torch.randn(3, 6, 5, requires_grad=True)
