@@ -103,11 +103,18 @@ void set_wide_fma(std::optional<bool> value) {
 namespace {
 
 bool cpu_has_bf16_gemm() {
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return true;
+  // oneDNN takes torch's bf16 product on any AVX-512 core, but without bf16 instructions it widens every
+  // operand in software and runs at a fraction of the fp32 rate (an AVX-512 Xeon without AVX512-BF16: 56
+  // against 310 GFLOP/s); only AVX512-BF16 or AMX-BF16 dot products, or AVX-NE-CONVERT's widening loads,
+  // make it at least as fast as fp32 (docs/performance.md, "bf16 products without bf16 BLAS").
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (edx >> 5 & 1u);  // AVX-NE-CONVERT
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_bf16 = (edx >> 22 & 1u) != 0;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  const bool avx512_bf16 = (eax >> 5 & 1u) != 0, avx_ne_convert = (edx >> 5 & 1u) != 0;
+  // __builtin_cpu_supports also checks that the OS saves the vector state (XCR0).
+  if (avx_ne_convert && __builtin_cpu_supports("avx2")) return true;
+  return (avx512_bf16 || amx_bf16) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
 }  // namespace

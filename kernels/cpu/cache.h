@@ -37,12 +37,12 @@ int64_t l2_block_bytes();
 bool wide_fma();
 void set_wide_fma(std::optional<bool> value);
 
-/// Whether torch's bf16 matrix product (at::mm and friends) runs on bf16-capable vector instructions: oneDNN
-/// takes it on CPUs with AVX-512 F/BW/VL/DQ or AVX-NE-CONVERT (torch asks ideep the same question); below
-/// that torch falls back to a scalar loop, about 10x slower than its fp32 product (docs/performance.md,
-/// "bf16 products without bf16 BLAS"). Where false, kernmap's large bf16 products compute in fp32 or in its
-/// own kernels instead. Read once from cpuid; KERNMAP_BF16_GEMM=native or fp32 overrides it (tests, read on
-/// every call).
+/// Whether torch's bf16 matrix product (at::mm and friends) runs at least at its fp32 rate: the CPU has bf16
+/// dot products (AVX512-BF16, AMX-BF16) or AVX-NE-CONVERT's widening loads, which oneDNN uses. Elsewhere
+/// torch's bf16 product is far slower than its fp32 one: a scalar loop without AVX-512 (36x on an AVX2 EPYC),
+/// oneDNN's software widening on AVX-512 without BF16 (5.5x on a Xeon); docs/performance.md, "bf16 products
+/// without bf16 BLAS". Where false, kernmap's large bf16 products compute in fp32 or in its own kernels
+/// instead. Read once from cpuid; KERNMAP_BF16_GEMM=native or fp32 overrides it (tests, read on every call).
 bool bf16_gemm_native();
 
 /// The first "model name" of /proc/cpuinfo ("AMD EPYC 9654 96-Core Processor"), or "unknown".

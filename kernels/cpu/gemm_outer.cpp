@@ -792,7 +792,13 @@ void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int
     const T* a = static_cast<const T*>(A);
     const T* b = static_cast<const T*>(B);
     T* c = static_cast<T*>(C);
-    if (stream && can_stream(c, ldc)) {
+    // A register block writes kBcastVecs vectors of each row of C and moves on to other rows; the rest of
+    // those cache lines comes a whole column pass later. Streamed in pieces narrower than a line, the
+    // write-combining buffers flush them partially: only whole lines are streamed (16-bit types at avx2 are
+    // half a line: bf16 weight gradients 3.5x slower streamed, docs/performance.md, "gemm_bcast reduction
+    // blocks").
+    constexpr bool whole_lines = kBcastVecs * kBlock * sizeof(T) % 64 == 0;
+    if (whole_lines && stream && can_stream(c, ldc)) {
       gemm_outer<T, true>(a, a_m, a_p, b, ldb, c, ldc, M, N, P);
       stream_fence();
     } else {
