@@ -4,9 +4,10 @@
 // AVX2 and AVX-512 levels: the transposed ("lanes") form. A's rows (a small group, at most 32 per pass with
 // AVX-512's 32 vector registers, 16 with AVX2's 16) are packed once per call into a lane layout, 8 rows per
 // 256-bit register; B's rows are streamed once, front to back, each element broadcast against all the group's
-// rows: accumulators hold C^T[n, 8 rows], fed by one FMA (fp32) or one vdpbf16ps (bf16 pairs, avx512bf16) per
-// B element and 8-row group. Each weight byte is read once from memory, with software prefetch ahead; A stays
-// in cache. Other levels, dtypes and float64: dot products along K in register blocks.
+// rows: accumulators hold C^T[n, 8 rows], fed by one FMA (fp32; bf16 widened a line at a time) or one
+// vdpbf16ps (bf16 pairs, avx512bf16) per B element and 8-row group. Each weight byte is read once from
+// memory, with software prefetch ahead; A stays in cache. Other levels, dtypes and float64: dot products
+// along K in register blocks.
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
@@ -280,6 +281,70 @@ __attribute__((noinline)) void lanes_block(const float* P, const float* W, int64
       K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step, [](V(&)[NB][G]) {}, out);
 }
 
+#if !defined(__AVX512BF16__)
+// bf16 weights without the dot-product instruction: each line of a B row (16 steps) is widened to fp32 once
+// into a small buffer that stays in L1, and each step broadcasts its element from there as the fp32 block
+// broadcasts from B itself — one widening per 16 elements instead of a shuffle per broadcast (the port the
+// FMAs share). The next line is widened while this one is multiplied (two buffers): loads right behind the
+// stores that fill them ran at two thirds of the speed. Sets and sums as lanes_loop: step k of each 16
+// uses set k % S, the steps past the last whole line set 0. Written out, not through lanes_loop's lambdas
+// (GCC spilled accumulators there, as for the fp32 zmm loop).
+template <class R, int G, int NB, int S>
+__attribute__((noinline)) void lanes_block(const float* P, const BFloat16* W, int64_t ldw, int64_t K,
+                                           float* out) {
+  using V = typename R::V;
+  const BFloat16* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
+  V acc[S][NB][G];
+  for (int s = 0; s < S; ++s)
+    for (int j = 0; j < NB; ++j)
+      for (int g = 0; g < G; ++g) acc[s][j][g] = R::zero();
+  alignas(64) float wide[2][NB][16];
+  // The next block's rows, one run of memory when B's rows are contiguous (lanes_loop's rule).
+  const char* next = reinterpret_cast<const char*>(W + NB * ldw);
+  const bool linear = ldw == K;
+  auto widen_line = [&](int64_t k0, float(&dst)[NB][16]) {
+    for (int j = 0; j < NB; ++j) {
+      if (k0 % 32 == 0) {  // once a line of B
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + k0) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(
+            linear ? next + (k0 / 32 * NB + j) * 64 : reinterpret_cast<const char*>(w[j] + NB * ldw + k0),
+            _MM_HINT_T1);
+      }
+      for (int h = 0; h < 16; h += kBlock) store_native(dst[j] + h, load_native(w[j] + k0 + h));
+    }
+  };
+  const int64_t K16 = K - K % 16;
+  if (K16 > 0) widen_line(0, wide[0]);
+  for (int64_t k0 = 0; k0 < K16; k0 += 16) {
+    const int cur = static_cast<int>(k0 / 16 % 2);
+    if (k0 + 16 < K16) widen_line(k0 + 16, wide[1 - cur]);
+    for (int dd = 0; dd < 16; dd += S)
+      for (int s = 0; s < S; ++s) {
+        V a[G];
+        for (int g = 0; g < G; ++g) a[g] = R::load(P + ((k0 + dd + s) * G + g) * R::kWidth);
+        for (int j = 0; j < NB; ++j) {
+          const V b = R::bcast(wide[cur][j][dd + s]);
+          for (int g = 0; g < G; ++g) acc[s][j][g] = R::fma(a[g], b, acc[s][j][g]);
+        }
+      }
+  }
+  for (int64_t k = K16; k < K; ++k) {
+    V a[G];
+    for (int g = 0; g < G; ++g) a[g] = R::load(P + (k * G + g) * R::kWidth);
+    for (int j = 0; j < NB; ++j) {
+      const V b = R::bcast(to_float(w[j][k]));
+      for (int g = 0; g < G; ++g) acc[0][j][g] = R::fma(a[g], b, acc[0][j][g]);
+    }
+  }
+  for (int s = 1; s < S; ++s)
+    for (int j = 0; j < NB; ++j)
+      for (int g = 0; g < G; ++g) acc[0][j][g] = R::add(acc[0][j][g], acc[s][j][g]);
+  for (int j = 0; j < NB; ++j)
+    for (int g = 0; g < G; ++g) R::store(out + (j * G + g) * R::kWidth, acc[0][j][g]);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 inline uint32_t load_pair(const BFloat16* p) {
   uint32_t v;
@@ -460,7 +525,9 @@ void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64
 template <class T>
 void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
                 int64_t K) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+  if (wide_fma()) return lanes_gemm_in<Zmm>(A, lda, B, ldb, C, ldc, M, N, K);
+#elif defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (wide_fma()) return lanes_gemm_in<Zmm>(A, lda, B, ldb, C, ldc, M, N, K);
   }
@@ -637,13 +704,9 @@ void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
 #if defined(__AVX2__)
-#if defined(__AVX512BF16__)
+    // fp16 keeps the dot-product blocks (it has no fast path to widen a line in the lanes form's way,
+    // measured slower: docs/performance.md, "gemm_nt lanes form").
     constexpr bool kLanesForm = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
-#else
-    constexpr bool kLanesForm = std::is_same_v<T, float>;
-#endif
-    // fp16, and bf16 without the dot-product instruction, would convert B to fp32 first, slower than the
-    // dot-product blocks' conversion on load (docs/performance.md, "gemm_nt lanes form"), so they keep those.
 #if defined(__AMX_BF16__)
     if constexpr (std::is_same_v<T, BFloat16>) {
       amx_gemm(static_cast<const BFloat16*>(A), lda, static_cast<const BFloat16*>(B), ldb,
