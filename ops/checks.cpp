@@ -99,11 +99,11 @@ int64_t row_grain(int64_t cols) {
 }
 
 // cpu0's level-3 instance, not sysconf's L3 size, which is the whole socket's on CPUs that split it between
-// core complexes, where data does not stay cached beyond the thread's own instance (docs/performance.md,
+// core complexes, where data does not stay cached beyond the thread's own instance; capped per CPU sharing it
+// (kernels/cpu/cache.h, usable_l3_bytes: virtual machines list the host's whole L3; docs/performance.md,
 // "Streaming-store threshold").
 int64_t last_level_cache_bytes() {
-  const int64_t l3 = cpu::cache_sizes().l3;
-  return l3 > 0 ? l3 : int64_t{32} << 20;
+  return cpu::usable_l3_bytes();
 }
 
 bool stream_outputs(int64_t bytes) {

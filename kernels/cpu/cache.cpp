@@ -3,6 +3,7 @@
 #include <cpuid.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +38,27 @@ int64_t parse_size(const std::string& text) {
   }
 }
 
+// The CPUs of a sysfs CPU list ("0-1", "0-3,8-11", "5"); 0 when malformed.
+int64_t count_cpus(const std::string& list) {
+  int64_t n = 0;
+  size_t at = 0;
+  while (at < list.size()) {
+    size_t end = list.find(',', at);
+    if (end == std::string::npos) end = list.size();
+    long long lo = 0, hi = 0;
+    char tail = 0;
+    const std::string part = list.substr(at, end - at);
+    if (std::sscanf(part.c_str(), "%lld-%lld%c", &lo, &hi, &tail) == 2 && hi >= lo && lo >= 0)
+      n += hi - lo + 1;
+    else if (std::sscanf(part.c_str(), "%lld%c", &lo, &tail) == 1 && lo >= 0)
+      n += 1;
+    else
+      return 0;
+    at = end + 1;
+  }
+  return n;
+}
+
 }  // namespace
 
 CacheSizes read_cache_sizes(const std::string& root, bool sysconf_fallback) {
@@ -50,7 +72,11 @@ CacheSizes read_cache_sizes(const std::string& root, bool sysconf_fallback) {
     const int64_t bytes = parse_size(size);
     if (level == "1") out.l1d = bytes;
     if (level == "2") out.l2 = bytes;
-    if (level == "3") out.l3 = bytes;
+    if (level == "3") {
+      out.l3 = bytes;
+      std::string shared;
+      out.l3_cpus = read_line(dir + "shared_cpu_list", shared) ? count_cpus(shared) : 0;
+    }
   }
   if (sysconf_fallback) {
     auto from_sysconf = [](int64_t& field, int name) {
@@ -67,6 +93,17 @@ CacheSizes read_cache_sizes(const std::string& root, bool sysconf_fallback) {
 const CacheSizes& cache_sizes() {
   static const CacheSizes sizes = read_cache_sizes("/sys/devices/system/cpu/cpu0/cache");
   return sizes;
+}
+
+int64_t usable_l3_bytes(const CacheSizes& sizes) {
+  constexpr int64_t kPerCpu = int64_t{4} << 20;
+  if (sizes.l3 <= 0) return int64_t{32} << 20;
+  return sizes.l3_cpus > 0 ? std::min(sizes.l3, sizes.l3_cpus * kPerCpu) : sizes.l3;
+}
+
+int64_t usable_l3_bytes() {
+  static const int64_t bytes = usable_l3_bytes(cache_sizes());
+  return bytes;
 }
 
 int64_t l2_block_bytes() {

@@ -12,6 +12,7 @@ namespace kernmap::cpu {
 /// level-3 cache between core complexes, one complex's share, not the socket's total); 0 where unknown.
 struct CacheSizes {
   int64_t l1d = 0, l2 = 0, l3 = 0;
+  int64_t l3_cpus = 0;  ///< CPUs listed as sharing that L3 instance (sysfs shared_cpu_list); 0 where unknown
 };
 
 /// Reads a sysfs cache folder's layout under `root` (index*/level, index*/type, index*/size: "48K", "2048K",
@@ -21,6 +22,15 @@ CacheSizes read_cache_sizes(const std::string& root, bool sysconf_fallback = tru
 
 /// cpu0's caches (/sys/devices/system/cpu/cpu0/cache, else sysconf), read once.
 const CacheSizes& cache_sizes();
+
+/// The level-3 bytes the CPUs sharing cpu0's instance can count on: the instance, at most 4 MiB for each CPU
+/// listed as sharing it (32 MiB where nothing is known). No x86 server core has much more L3 of its own
+/// (Xeons 1.25-5 MiB, EPYCs 2-4 MiB), and a virtual machine lists its host socket's whole L3 as shared by its
+/// own few CPUs only: 260-480 MiB on the 2-CPU Xeon VMs, where copies of 64 MiB already ran at memory speed
+/// (docs/performance.md, "Streaming-store threshold").
+int64_t usable_l3_bytes(const CacheSizes& sizes);
+/// usable_l3_bytes of cpu0's caches, read once: the streaming-store threshold and the fused loss's chunk.
+int64_t usable_l3_bytes();
 
 /// The blocking rule for the level-2 cache: the bytes of the operand a blocked kernel streams that it keeps
 /// in flight per core, a quarter of one core's L2 (of 1 MiB where the size is unknown). The block being

@@ -95,22 +95,39 @@ void the_cache_reader_reads_sysfs(const Case&) {
   namespace fs = std::filesystem;
   const fs::path root = fs::temp_directory_path() / ("kernmap_cache_" + std::to_string(::getpid()));
   fs::remove_all(root);
-  auto cache = [&](int index, const char* level, const char* type, const char* size) {
+  auto cache = [&](int index, const char* level, const char* type, const char* size,
+                   const char* shared = nullptr) {
     const fs::path dir = root / ("index" + std::to_string(index));
     fs::create_directories(dir);
     std::ofstream(dir / "level") << level << "\n";
     std::ofstream(dir / "type") << type << "\n";
     std::ofstream(dir / "size") << size << "\n";
+    if (shared) std::ofstream(dir / "shared_cpu_list") << shared << "\n";
   };
   cache(0, "1", "Data", "48K");
   cache(1, "1", "Instruction", "32K");
   cache(2, "2", "Unified", "2048K");
-  cache(3, "3", "Unified", "105M");
+  cache(3, "3", "Unified", "105M", "0-3,8-11");
   cache(5, "4", "Unified", "1K");  // after a gap: not read
   kernmap::cpu::CacheSizes got = kernmap::cpu::read_cache_sizes(root.string(), false);
   EXPECT_EQ(got.l1d, 48 << 10);
   EXPECT_EQ(got.l2, 2048 << 10);
   EXPECT_EQ(got.l3, int64_t{105} << 20);
+  EXPECT_EQ(got.l3_cpus, 8);
+  // The usable L3: the instance, at most 4 MiB a CPU sharing it; the instance alone where the list is
+  // unknown.
+  EXPECT_EQ(kernmap::cpu::usable_l3_bytes(got), int64_t{32} << 20);
+  cache(3, "3", "Unified", "260M", "0-1");  // a 2-CPU VM listing its host socket's L3
+  EXPECT_EQ(kernmap::cpu::usable_l3_bytes(kernmap::cpu::read_cache_sizes(root.string(), false)),
+            int64_t{8} << 20);
+  cache(3, "3", "Unified", "8M", "0-3");
+  EXPECT_EQ(kernmap::cpu::usable_l3_bytes(kernmap::cpu::read_cache_sizes(root.string(), false)),
+            int64_t{8} << 20);
+  cache(3, "3", "Unified", "32M", "0,x");
+  got = kernmap::cpu::read_cache_sizes(root.string(), false);
+  EXPECT_EQ(got.l3_cpus, 0);  // malformed: unknown
+  EXPECT_EQ(kernmap::cpu::usable_l3_bytes(got), int64_t{32} << 20);
+  EXPECT_EQ(kernmap::cpu::usable_l3_bytes(kernmap::cpu::CacheSizes{}), int64_t{32} << 20);
   cache(3, "3", "Unified", "lots");
   EXPECT_EQ(kernmap::cpu::read_cache_sizes(root.string(), false).l3, 0);
   fs::remove_all(root);
