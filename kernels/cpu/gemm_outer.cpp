@@ -101,8 +101,8 @@ struct Fetch {
 
 // Scalar math: C[m, n] = round(sum_p float(A(m, p)) * float(B[p, n])), p in order.
 // Register block: MR rows of C x NV vectors along n, over P steps of p (one block of the reduction).
-template <class T, int MR, int NV, bool Stream>
-void bcast_block(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t P,
+template <class T, int MR, int NV, bool Stream, class TA = T>
+void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t P,
                  const Partial<Acc<T>>& part, bool near = true, Fetch fetch = {}) {
   using Ac = Acc<T>;
   using V = Vec<Ac>;
@@ -133,6 +133,14 @@ void bcast_block(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, 
       else
         store_out<Stream>(C + i * ldc + j * kBlock, acc[i][j]);
     }
+}
+
+// bcast_block compiled as a function of its own (see its caller).
+template <class T, int MR, int NV, bool Stream, class TA>
+__attribute__((noinline)) void bcast_block_apart(const TA* A, int64_t a_m, int64_t a_p, const T* B,
+                                                 int64_t ldb, T* C, int64_t ldc, int64_t P,
+                                                 const Partial<Acc<T>>& part, bool near, Fetch fetch) {
+  bcast_block<T, MR, NV, Stream, TA>(A, a_m, a_p, B, ldb, C, ldc, P, part, near, fetch);
 }
 
 #if defined(__AVX512BF16__)
@@ -459,8 +467,8 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
 #endif
 
 // Columns beyond the last full vector: scalar.
-template <class T>
-void bcast_tail(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
+template <class T, class TA>
+void bcast_tail(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
                 int64_t n0, int64_t N, int64_t P) {
   using Ac = Acc<T>;
   for (int64_t m = 0; m < M; ++m)
@@ -664,17 +672,11 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
 }
 #endif
 
-template <class T, bool Stream>
-void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
-                int64_t N, int64_t P) {
-#if defined(__AMX_BF16__)
-  if constexpr (std::is_same_v<T, BFloat16>) return amx_outer<Stream>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
-#endif
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    if (a_p == 1 && P > kPanelMinSteps) return outer_panels<Stream>(A, a_m, B, ldb, C, ldc, M, N, P);
-  }
-#endif
+// The register-block form for every type and level: A's elements (type TA: T, or T widened to fp32) broadcast
+// against vectors of B's rows.
+template <class T, bool Stream, class TA>
+void outer_blocks(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc,
+                  int64_t M, int64_t N, int64_t P) {
   using Ac = Acc<T>;
   const int64_t wide = kBcastVecs * kBlock;
   const int64_t Nw = N - N % wide, Nv = N - N % kBlock;
@@ -689,7 +691,7 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
   // A read across its rows (the weight gradients' x^T): copied once into M rows of P, so each register block
   // reads its scalars (the bf16 pairs as one 32-bit load) from one short row.
   if (a_p != 1 && P > 0 && Nw > 0) {
-    T* packed = scratch<T, 1>(M * P);
+    TA* packed = scratch<TA, 1>(M * P);
     for (int64_t p = 0; p < P; ++p)
       for (int64_t m = 0; m < M; ++m) packed[m * P + p] = A[m * a_m + p * a_p];
     A = packed;
@@ -748,7 +750,7 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
       row_blocks(M, [&](auto rows, int64_t m) {
         constexpr int MR = decltype(rows)::value;
         const Partial<Ac> part{sums ? sums + m * Nw + n : nullptr, Nw, resume, park};
-        const T* a = A + m * a_m + p0 * a_p;
+        const TA* a = A + m * a_m + p0 * a_p;
         const T* b = panel;
         const int64_t ldb = ldp;
         T* c = C + m * ldc + n;
@@ -768,7 +770,18 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
           return;
         }
 #endif
-        bcast_block<T, MR, kBcastVecs, Stream>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near, fetch);
+#if defined(__AVX512F__)
+        // Inlined here, GCC 12 kept the widened bf16 blocks' accumulators in memory (an FMA from the stack
+        // and a store back per product: bf16 backward 248 ms, fp32 146); as its own function it keeps them in
+        // registers (170-189 ms). The other instantiations ran slower as calls (fp32 196-233 ms) and stay
+        // inlined (docs/performance.md, "gemm_bcast reduction blocks").
+        if constexpr (std::is_same_v<T, BFloat16>) {
+          bcast_block_apart<T, MR, kBcastVecs, Stream, TA>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near,
+                                                           fetch);
+          return;
+        }
+#endif
+        bcast_block<T, MR, kBcastVecs, Stream, TA>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near, fetch);
       });
     }
   }
@@ -776,10 +789,37 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
   const Partial<Ac> whole{nullptr, 0, false, false};
   for (int64_t n = Nw; n < Nv; n += kBlock)
     row_blocks(M, [&](auto rows, int64_t m) {
-      bcast_block<T, decltype(rows)::value, 1, false>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n, ldc,
-                                                      P, whole);
+      bcast_block<T, decltype(rows)::value, 1, false, TA>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n,
+                                                          ldc, P, whole);
     });
   if (Nv < N) bcast_tail(A, a_m, a_p, B, ldb, C, ldc, M, Nv, N, P);
+}
+
+template <class T, bool Stream>
+void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
+                int64_t N, int64_t P) {
+#if defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<T, BFloat16>) return amx_outer<Stream>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
+#endif
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (a_p == 1 && P > kPanelMinSteps) return outer_panels<Stream>(A, a_m, B, ldb, C, ldc, M, N, P);
+  }
+#elif defined(__AVX2__)
+  // bf16 without the dot-product instruction: A widened to fp32 once (rows of P), so each step broadcasts its
+  // scalars from memory, folded into the FMAs, as fp32's do — instead of a scalar widening, a move to a
+  // vector register and a broadcast per row and step, on the port the FMAs share. The same products in the
+  // same order: the same bits.
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (P > 0 && N >= kBlock) {
+      float* wide = scratch<float, 1>(M * P);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t p = 0; p < P; ++p) wide[m * P + p] = to_float(A[m * a_m + p * a_p]);
+      return outer_blocks<T, Stream, float>(wide, P, 1, B, ldb, C, ldc, M, N, P);
+    }
+  }
+#endif
+  outer_blocks<T, Stream, T>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
 }
 
 }  // namespace
