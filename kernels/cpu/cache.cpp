@@ -141,9 +141,9 @@ namespace {
 
 bool cpu_has_bf16_gemm() {
   // oneDNN takes torch's bf16 product on any AVX-512 core, but without bf16 instructions it widens every
-  // operand in software and runs at a fraction of the fp32 rate (an AVX-512 Xeon without AVX512-BF16: 56
-  // against 310 GFLOP/s); only AVX512-BF16 or AMX-BF16 dot products, or AVX-NE-CONVERT's widening loads,
-  // make it at least as fast as fp32 (docs/performance.md, "bf16 products without bf16 BLAS").
+  // operand in software and runs at a fraction of the fp32 rate; only AVX512-BF16 or AMX-BF16 dot products,
+  // or AVX-NE-CONVERT's widening loads, make it at least as fast as fp32 (docs/performance.md, "bf16
+  // products without bf16 BLAS").
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   const bool amx_bf16 = (edx >> 22 & 1u) != 0;

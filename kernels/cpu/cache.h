@@ -26,8 +26,7 @@ const CacheSizes& cache_sizes();
 /// The level-3 bytes the CPUs sharing cpu0's instance can count on: the instance, at most 4 MiB for each CPU
 /// listed as sharing it (32 MiB where nothing is known). No x86 server core has much more L3 of its own
 /// (Xeons 1.25-5 MiB, EPYCs 2-4 MiB), and a virtual machine lists its host socket's whole L3 as shared by its
-/// own few CPUs only: 260-480 MiB on the 2-CPU Xeon VMs, where copies of 64 MiB already ran at memory speed
-/// (docs/performance.md, "Streaming-store threshold").
+/// own few CPUs only (docs/performance.md, "Streaming-store threshold").
 int64_t usable_l3_bytes(const CacheSizes& sizes);
 /// usable_l3_bytes of cpu0's caches, read once: the streaming-store threshold and the fused loss's chunk.
 int64_t usable_l3_bytes();
@@ -49,10 +48,10 @@ void set_wide_fma(std::optional<bool> value);
 
 /// Whether torch's bf16 matrix product (at::mm and friends) runs at least at its fp32 rate: the CPU has bf16
 /// dot products (AVX512-BF16, AMX-BF16) or AVX-NE-CONVERT's widening loads, which oneDNN uses. Elsewhere
-/// torch's bf16 product is far slower than its fp32 one: a scalar loop without AVX-512 (36x on an AVX2 EPYC),
-/// oneDNN's software widening on AVX-512 without BF16 (5.5x on a Xeon); docs/performance.md, "bf16 products
-/// without bf16 BLAS". Where false, kernmap's large bf16 products compute in fp32 or in its own kernels
-/// instead. Read once from cpuid; KERNMAP_BF16_GEMM=native or fp32 overrides it (tests, read on every call).
+/// torch's bf16 product is far slower than its fp32 one: a scalar loop without AVX-512, oneDNN's software
+/// widening on AVX-512 without BF16 (docs/performance.md, "bf16 products without bf16 BLAS"). Where false,
+/// kernmap's large bf16 products compute in fp32 or in its own kernels instead. Read once from cpuid;
+/// KERNMAP_BF16_GEMM=native or fp32 overrides it (tests, read on every call).
 bool bf16_gemm_native();
 
 /// The first "model name" of /proc/cpuinfo ("AMD EPYC 9654 96-Core Processor"), or "unknown".

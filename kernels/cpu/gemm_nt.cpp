@@ -286,9 +286,9 @@ __attribute__((noinline)) void lanes_block(const float* P, const float* W, int64
 // into a small buffer that stays in L1, and each step broadcasts its element from there as the fp32 block
 // broadcasts from B itself — one widening per 16 elements instead of a shuffle per broadcast (the port the
 // FMAs share). The next line is widened while this one is multiplied (two buffers): loads right behind the
-// stores that fill them ran at two thirds of the speed. Sets and sums as lanes_loop: step k of each 16
-// uses set k % S, the steps past the last whole line set 0. Written out, not through lanes_loop's lambdas
-// (GCC spilled accumulators there, as for the fp32 zmm loop).
+// stores that fill them ran slower (docs/performance.md, "gemm_nt lanes form"). Sets and sums as lanes_loop:
+// step k of each 16 uses set k % S, the steps past the last whole line set 0. Written out, not through
+// lanes_loop's lambdas (GCC spilled accumulators there, as for the fp32 zmm loop).
 template <class R, int G, int NB, int S>
 __attribute__((noinline)) void lanes_block(const float* P, const BFloat16* W, int64_t ldw, int64_t K,
                                            float* out) {

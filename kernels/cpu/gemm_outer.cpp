@@ -772,9 +772,9 @@ void outer_blocks(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb
 #endif
 #if defined(__AVX512F__)
         // Inlined here, GCC 12 kept the widened bf16 blocks' accumulators in memory (an FMA from the stack
-        // and a store back per product: bf16 backward 248 ms, fp32 146); as its own function it keeps them in
-        // registers (170-189 ms). The other instantiations ran slower as calls (fp32 196-233 ms) and stay
-        // inlined (docs/performance.md, "gemm_bcast reduction blocks").
+        // and a store back per product); as a function of its own it keeps them in registers. The other
+        // instantiations ran slower as calls and stay inlined (docs/performance.md, "gemm_bcast reduction
+        // blocks").
         if constexpr (std::is_same_v<T, BFloat16>) {
           bcast_block_apart<T, MR, kBcastVecs, Stream, TA>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near,
                                                            fetch);
@@ -835,8 +835,7 @@ void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int
     // A register block writes kBcastVecs vectors of each row of C and moves on to other rows; the rest of
     // those cache lines comes a whole column pass later. Streamed in pieces narrower than a line, the
     // write-combining buffers flush them partially: only whole lines are streamed (16-bit types at avx2 are
-    // half a line: bf16 weight gradients 3.5x slower streamed, docs/performance.md, "gemm_bcast reduction
-    // blocks").
+    // half a line; docs/performance.md, "gemm_bcast reduction blocks").
     constexpr bool whole_lines = kBcastVecs * kBlock * sizeof(T) % 64 == 0;
     if (whole_lines && stream && can_stream(c, ldc)) {
       gemm_outer<T, true>(a, a_m, a_p, b, ldb, c, ldc, M, N, P);
