@@ -238,6 +238,18 @@ void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64
     for (int g = 0; g < G; ++g) R::store(out + (j * G + g) * R::kWidth, acc[0][j][g]);
 }
 
+// One step k of a lanes block: the G vectors of A's lanes at k, each weight b(j) broadcast against them.
+template <class R, int G, int NB, class B>
+__attribute__((always_inline)) inline void lanes_step(const float* P, int64_t k, typename R::V (&acc)[NB][G],
+                                                      B b) {
+  typename R::V a[G];
+  for (int g = 0; g < G; ++g) a[g] = R::load(P + (k * G + g) * R::kWidth);
+  for (int j = 0; j < NB; ++j) {
+    const typename R::V bj = R::bcast(b(j));
+    for (int g = 0; g < G; ++g) acc[j][g] = R::fma(a[g], bj, acc[j][g]);
+  }
+}
+
 // fp32 block: out[j][w g + l] = sum_k P[k][w g + l] * W[j][k].
 //
 // Not inlined: inlined into lanes_rows' many instantiations, GCC 12 kept the zmm accumulators in memory, a
@@ -258,24 +270,14 @@ __attribute__((noinline)) void lanes_block(const float* P, const float* W, int64
       if (k % 16 == 0)
         for (int j = 0; j < NB; ++j)
           _mm_prefetch(reinterpret_cast<const char*>(w[j] + k) + kPrefetchBytes, _MM_HINT_T0);
-      V a[G];
-      for (int g = 0; g < G; ++g) a[g] = R::load(P + (k * G + g) * R::kWidth);
-      for (int j = 0; j < NB; ++j) {
-        const V b = R::bcast(w[j][k]);
-        for (int g = 0; g < G; ++g) acc[j][g] = R::fma(a[g], b, acc[j][g]);
-      }
+      lanes_step<R, G, NB>(P, k, acc, [&](int j) { return w[j][k]; });
     }
     for (int j = 0; j < NB; ++j)
       for (int g = 0; g < G; ++g) R::store(out + (j * G + g) * R::kWidth, acc[j][g]);
     return;
   }
   auto step = [&](int64_t k, V(&acc)[NB][G]) {
-    V a[G];
-    for (int g = 0; g < G; ++g) a[g] = R::load(P + (k * G + g) * R::kWidth);
-    for (int j = 0; j < NB; ++j) {
-      const V b = R::bcast(w[j][k]);
-      for (int g = 0; g < G; ++g) acc[j][g] = R::fma(a[g], b, acc[j][g]);
-    }
+    lanes_step<R, G, NB>(P, k, acc, [&](int j) { return w[j][k]; });
   };
   lanes_loop<R, G, NB, S>(
       K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step, [](V(&)[NB][G]) {}, out);
@@ -320,23 +322,11 @@ __attribute__((noinline)) void lanes_block(const float* P, const BFloat16* W, in
     const int cur = static_cast<int>(k0 / 16 % 2);
     if (k0 + 16 < K16) widen_line(k0 + 16, wide[1 - cur]);
     for (int dd = 0; dd < 16; dd += S)
-      for (int s = 0; s < S; ++s) {
-        V a[G];
-        for (int g = 0; g < G; ++g) a[g] = R::load(P + ((k0 + dd + s) * G + g) * R::kWidth);
-        for (int j = 0; j < NB; ++j) {
-          const V b = R::bcast(wide[cur][j][dd + s]);
-          for (int g = 0; g < G; ++g) acc[s][j][g] = R::fma(a[g], b, acc[s][j][g]);
-        }
-      }
+      for (int s = 0; s < S; ++s)
+        lanes_step<R, G, NB>(P, k0 + dd + s, acc[s], [&](int j) { return wide[cur][j][dd + s]; });
   }
-  for (int64_t k = K16; k < K; ++k) {
-    V a[G];
-    for (int g = 0; g < G; ++g) a[g] = R::load(P + (k * G + g) * R::kWidth);
-    for (int j = 0; j < NB; ++j) {
-      const V b = R::bcast(to_float(w[j][k]));
-      for (int g = 0; g < G; ++g) acc[0][j][g] = R::fma(a[g], b, acc[0][j][g]);
-    }
-  }
+  for (int64_t k = K16; k < K; ++k)
+    lanes_step<R, G, NB>(P, k, acc[0], [&](int j) { return to_float(w[j][k]); });
   for (int s = 1; s < S; ++s)
     for (int j = 0; j < NB; ++j)
       for (int g = 0; g < G; ++g) acc[0][j][g] = R::add(acc[0][j][g], acc[s][j][g]);
