@@ -101,9 +101,9 @@ struct Fetch {
 
 // Scalar math: C[m, n] = round(sum_p float(A(m, p)) * float(B[p, n])), p in order.
 // Register block: MR rows of C x NV vectors along n, over P steps of p (one block of the reduction).
-template <class T, int MR, int NV, bool Stream, class TA = T>
-void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t P,
-                 const Partial<Acc<T>>& part, bool near = true, Fetch fetch = {}) {
+template <class T, int MR, int NV, bool Stream, class TA = T, class TB = T>
+void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb, T* C, int64_t ldc,
+                 int64_t P, const Partial<Acc<T>>& part, bool near = true, Fetch fetch = {}) {
   using Ac = Acc<T>;
   using V = Vec<Ac>;
   V acc[MR][NV];
@@ -116,7 +116,7 @@ void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb,
     // next reduction block, in memory order.
     fetch.step();
     if (near && p + kPrefetchRows < P) {
-      for (int64_t off = 0; off < NV * kBlock * int64_t(sizeof(T)); off += 64)
+      for (int64_t off = 0; off < NV * kBlock * int64_t(sizeof(TB)); off += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(B + (p + kPrefetchRows) * ldb) + off);
     }
     V b[NV];
@@ -136,11 +136,11 @@ void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb,
 }
 
 // bcast_block compiled as a function of its own (see its caller).
-template <class T, int MR, int NV, bool Stream, class TA>
-__attribute__((noinline)) void bcast_block_apart(const TA* A, int64_t a_m, int64_t a_p, const T* B,
+template <class T, int MR, int NV, bool Stream, class TA, class TB>
+__attribute__((noinline)) void bcast_block_apart(const TA* A, int64_t a_m, int64_t a_p, const TB* B,
                                                  int64_t ldb, T* C, int64_t ldc, int64_t P,
                                                  const Partial<Acc<T>>& part, bool near, Fetch fetch) {
-  bcast_block<T, MR, NV, Stream, TA>(A, a_m, a_p, B, ldb, C, ldc, P, part, near, fetch);
+  bcast_block<T, MR, NV, Stream, TA, TB>(A, a_m, a_p, B, ldb, C, ldc, P, part, near, fetch);
 }
 
 #if defined(__AVX512BF16__)
@@ -738,6 +738,26 @@ void outer_blocks(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb
         panel = buf;
         ldp = wide;
       }
+      // bf16 with A widened (no dot-product instruction) at the AVX-512 levels: the panel widened to fp32
+      // once for all the row blocks that read it, instead of in each of them (the weight gradients' panels
+      // are read by M / 4 row blocks: hundreds). At avx2 it made no difference (docs/performance.md,
+      // "gemm_bcast reduction blocks").
+      const float* wpanel = nullptr;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<TA, float>) {
+        if (row_blocks_n > 1) {
+          float* buf = scratch<float, 5>(pn * wide);
+          for (int64_t p = 0; p < pn; ++p) {
+            if (p0 == 0 && p + kPrefetchRows < pn && ldp != wide)
+              for (int64_t off = 0; off < wide * int64_t(sizeof(T)); off += 64)
+                __builtin_prefetch(reinterpret_cast<const char*>(panel + (p + kPrefetchRows) * ldp) + off);
+            for (int64_t v = 0; v < wide; v += kBlock)
+              store_native(buf + p * wide + v, load_native(panel + p * ldp + v));
+          }
+          wpanel = buf;
+        }
+      }
+#endif
 #if defined(__AVX512BF16__)
       if constexpr (kDp) {
         if (inter) {
@@ -755,8 +775,15 @@ void outer_blocks(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb
         const int64_t ldb = ldp;
         T* c = C + m * ldc + n;
         // Only the first row block over a panel fetches it near, and only when nothing fetched it before.
-        const bool near = m == 0 && p0 == 0 && ldp != wide && !inter;
+        const bool near = m == 0 && p0 == 0 && ldp != wide && !inter && !wpanel;
         const Fetch fetch = next.share(n / wide * row_blocks_n + m / kBcastRows, calls, pn);
+#if defined(__AVX512F__)
+        if (wpanel) {
+          bcast_block_apart<T, MR, kBcastVecs, Stream, TA, float>(a, a_m, a_p, wpanel, wide, c, ldc, pn, part,
+                                                                  false, fetch);
+          return;
+        }
+#endif
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64) {
           if (inter && a_p == 1)
@@ -776,8 +803,8 @@ void outer_blocks(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb
         // instantiations ran slower as calls and stay inlined (docs/performance.md, "gemm_bcast reduction
         // blocks").
         if constexpr (std::is_same_v<T, BFloat16>) {
-          bcast_block_apart<T, MR, kBcastVecs, Stream, TA>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near,
-                                                           fetch);
+          bcast_block_apart<T, MR, kBcastVecs, Stream, TA, T>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near,
+                                                              fetch);
           return;
         }
 #endif
