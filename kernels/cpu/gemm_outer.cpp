@@ -672,10 +672,10 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
 }
 #endif
 
-// The register-block form for every type and level: A's elements (type TA: T, or T widened to fp32) broadcast
-// against vectors of B's rows.
+// The register-block form for every type and level: A's elements (as TA: T, or T widened to fp32 in the
+// packed copy below) broadcast against vectors of B's rows.
 template <class T, bool Stream, class TA>
-void outer_blocks(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc,
+void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc,
                   int64_t M, int64_t N, int64_t P) {
   using Ac = Acc<T>;
   const int64_t wide = kBcastVecs * kBlock;
@@ -688,12 +688,19 @@ void outer_blocks(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb
       std::clamp<int64_t>(l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, 16, 256);
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
   Ac* sums = step_p < P && Nw > 0 ? scratch<Ac>(M * Nw) : nullptr;
-  // A read across its rows (the weight gradients' x^T): copied once into M rows of P, so each register block
-  // reads its scalars (the bf16 pairs as one 32-bit load) from one short row.
-  if (a_p != 1 && P > 0 && Nw > 0) {
+  // A read across its rows (the weight gradients' x^T), or widened to TA: copied once into M rows of P, so
+  // each register block reads its scalars (the bf16 pairs as one 32-bit load) from one short row.
+  const TA* A = nullptr;
+  if constexpr (std::is_same_v<TA, T>) A = A_in;
+  if ((!std::is_same_v<TA, T> || (a_p != 1 && Nw > 0)) && P > 0) {
     TA* packed = scratch<TA, 1>(M * P);
     for (int64_t p = 0; p < P; ++p)
-      for (int64_t m = 0; m < M; ++m) packed[m * P + p] = A[m * a_m + p * a_p];
+      for (int64_t m = 0; m < M; ++m) {
+        if constexpr (std::is_same_v<TA, T>)
+          packed[m * P + p] = A_in[m * a_m + p * a_p];
+        else
+          packed[m * P + p] = to_float(A_in[m * a_m + p * a_p]);
+      }
     A = packed;
     a_m = P;
     a_p = 1;
@@ -833,18 +840,12 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
     if (a_p == 1 && P > kPanelMinSteps) return outer_panels<Stream>(A, a_m, B, ldb, C, ldc, M, N, P);
   }
 #elif defined(__AVX2__)
-  // bf16 without the dot-product instruction: A widened to fp32 once (rows of P), so each step broadcasts its
-  // scalars from memory, folded into the FMAs, as fp32's do — instead of a scalar widening, a move to a
-  // vector register and a broadcast per row and step, on the port the FMAs share. The same products in the
-  // same order: the same bits.
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    if (P > 0 && N >= kBlock) {
-      float* wide = scratch<float, 1>(M * P);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t p = 0; p < P; ++p) wide[m * P + p] = to_float(A[m * a_m + p * a_p]);
-      return outer_blocks<T, Stream, float>(wide, P, 1, B, ldb, C, ldc, M, N, P);
-    }
-  }
+  // bf16 without the dot-product instruction: A widened to fp32 once (outer_blocks' packed copy), so each
+  // step broadcasts its scalars from memory, folded into the FMAs, as fp32's do — instead of a scalar
+  // widening, a move to a vector register and a broadcast per row and step, on the port the FMAs share. The
+  // same products in the same order: the same bits.
+  if constexpr (std::is_same_v<T, BFloat16>)
+    return outer_blocks<T, Stream, float>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
 #endif
   outer_blocks<T, Stream, T>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
 }
