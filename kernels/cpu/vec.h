@@ -55,13 +55,15 @@ inline float f32_from_bits(uint32_t u) {
   return f;
 }
 
-// bfloat16 is the high half of a float32; rounding is to nearest even as in torch, NaN stays a quiet NaN.
+// bfloat16 is the high half of a float32; rounding is to nearest even as in torch, and a NaN becomes 0xffff,
+// the NaN torch's vectorized conversion writes (its scalar one writes 0x7fc0), so that a row's tail has the
+// bits of its blocks.
 inline float to_float(BFloat16 v) {
   return f32_from_bits(uint32_t(v.bits) << 16);
 }
 inline BFloat16 to_bf16(float f) {
   uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{0xffffu};
   return BFloat16{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 
@@ -192,23 +194,25 @@ inline void store_native(float* p, VF v) {
 inline void store_native(double* p, VD v) {
   std::memcpy(p, &v, sizeof v);
 }
-// Round to nearest even on the bits; NaN becomes a quiet NaN with its sign. Only the high half of each lane
-// is the result (callers clear or shift out the low half).
+// Round to nearest even on the bits; a NaN lane becomes all ones (bf16 0xffff, the NaN torch's vectorized
+// conversion writes): the compare's mask ORed in, two instructions, where a select of u | 0x400000 (a quiet
+// NaN with its sign) took five with AVX2's blend. Only the high half of each lane is the result (callers
+// clear or shift out the low half).
 inline VU bf16_round_high(VF v) {
   VU u = (VU)v;
   VU rounded = u + 0x7fffu + ((u >> 16) & 1u);
 #if defined(__AVX512F__)
-  // The compare into a mask register and a masked or replace GCC's compare-and-blend of the generic select.
-  return (VU)_mm512_mask_or_epi32((__m512i)rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), (__m512i)u,
-                                  _mm512_set1_epi32(0x400000));
+  // The compare into a mask register and a masked move replace GCC's compare-and-blend of the generic select.
+  return (VU)_mm512_mask_mov_epi32((__m512i)rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                   _mm512_set1_epi32(-1));
 #else
-  return v != v ? u | 0x400000u : rounded;
+  return rounded | (VU)(v != v);
 #endif
 }
-// vcvtneps2bf16 (avx512bf16 level) rounds to nearest even and keeps NaNs quiet like the code below, but
-// treats subnormal floats as zero, where torch's conversion rounds them (to a bf16 subnormal, or up to
-// FLT_MIN): the price of replacing about seven instructions by one. Only results below 1.2e-38 in magnitude
-// differ.
+// vcvtneps2bf16 (avx512bf16 level) rounds to nearest even like the code below, but keeps a NaN's sign and
+// payload (quiet), where torch and the code below write 0xffff, and treats subnormal floats as zero, where
+// torch's conversion rounds them (to a bf16 subnormal, or up to FLT_MIN): the price of replacing about seven
+// instructions by one. Only results below 1.2e-38 in magnitude differ.
 #if defined(__AVX2__)
 // A block rounded to bfloat16 / float16, packed into the low bytes of one register (32 bytes with AVX-512, 16
 // with AVX2): what store_native writes, also streamed by store_out.
@@ -442,6 +446,17 @@ inline float nmadd(float a, float b, float c) {
 inline double nmadd(double a, double b, double c) {
   return madd(-a, b, c);
 }
+/// x limited to [lo, hi] in two instructions (maxps, minps; a compare and a blend each took four on Intel
+/// cores). A NaN x becomes lo: only for callers whose result also takes x itself, which carries the NaN.
+inline VF clamp_block(VF x, float lo, float hi) {
+#if defined(__AVX512F__)
+  return _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
+#elif defined(__AVX2__)
+  return _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+#else
+  return _mm_min_ps(_mm_max_ps(x, _mm_set1_ps(lo)), _mm_set1_ps(hi));
+#endif
+}
 /// e^-x for a float block (sigmoid's only need; negating inside saves an instruction), overflowing to +inf
 /// where e^-x exceeds FLT_MAX (x below -88.72), as eager's exp does: SiLU's x / (1 + e^-x) then gives eager's
 /// -0 for huge negative x and NaN for -inf. -x = n ln2 + r with |r| <= ln2/2; e^r by a degree-5 minimax
@@ -462,8 +477,7 @@ inline VF exp_neg_block(VF x) {
 #else
   // The integer scaling below builds 2^(n-1), whose exponent field holds n - 1 in [-125, 127]: n <= 128 (x >=
   // -89, e^89 being past FLT_MAX already) and n >= -124 (x <= 85, e^-85 being below 2^-24 already).
-  x = x < -89.0f ? VF{} - 89.0f : x;
-  x = x > 85.0f ? VF{} + 85.0f : x;
+  x = clamp_block(x, -89.0f, 85.0f);
   // Adding 1.5 * 2^23 rounds to an integer, which then sits in the low mantissa bits of t.
   VF t = madd(x, VF{} - log2e, VF{} + 12582912.0f);
   VF n = t - 12582912.0f;

@@ -82,6 +82,33 @@ void low_precision_silu_matches_eager_bits(const Case& c) {
   EXPECT_TRUE(nearly_bit_exact(kernmap::silu(g), at::silu(g)));
 }
 
+// A NaN result in bfloat16 has the bits torch's vectorized conversion writes, 0xffff (vec.h,
+// bf16_round_high), in full blocks and in the scalar tail (where torch's scalar conversion writes 0x7fc0),
+// from a NaN of either sign: silu, silu_and_mul and rms_norm (whose row of a NaN is all NaN). The table skips
+// the avx512bf16 and amx levels, whose vcvtneps2bf16 keeps the NaN's sign and payload.
+void bf16_nan_has_torchs_bits(const Case& c) {
+  const int64_t n = 37;  // two blocks of 16 and a tail of 5 at avx512; four and a tail of 5 at avx2
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  at::Tensor x = at::randn({3, n}, at::kDouble);
+  x[0][5] = nan;
+  x[0][33] = -nan;
+  x[1][0] = -nan;
+  x[2][36] = nan;
+  x = x.to(c.dtype);
+  const at::Tensor u = randn({3, n}, c.dtype);
+  const at::Tensor w = norm_weight(n, c.dtype);
+  auto expect_torchs_nans = [](const at::Tensor& got, const at::Tensor& want, const char* what) {
+    const at::Tensor nans = want.isnan();
+    ASSERT_TRUE(nans.any().item<bool>()) << what;
+    EXPECT_TRUE(got.isnan().equal(nans)) << what << ": NaN where eager has NaN, nowhere else";
+    const at::Tensor got_bits = got.contiguous().view(at::kShort).masked_select(nans);
+    EXPECT_TRUE(got_bits.eq(-1).all().item<bool>()) << what << ": every NaN is 0xffff";
+  };
+  expect_torchs_nans(kernmap::silu(x), at::silu(x), "silu");
+  expect_torchs_nans(kernmap::silu_and_mul(x, u), at::silu(x) * u, "silu_and_mul");
+  expect_torchs_nans(kernmap::rms_norm(x, w, 1e-6), kernmap::reference::rms_norm(x, w, 1e-6), "rms_norm");
+}
+
 namespace {
 
 // The smallest normal and the largest finite value of a floating dtype.

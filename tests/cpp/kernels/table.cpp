@@ -221,6 +221,13 @@ const std::vector<Row>& kernel_table() {
        .shapes = {Shape{}},
        .layouts = {""},
        .check = silu_handles_extreme_inputs},
+      {.op = "bf16_nan_bits",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = bf16_nan_has_torchs_bits,
+       .dtypes = {at::kBFloat16},
+       // vcvtneps2bf16 keeps a NaN's sign and payload (vec.h)
+       .skip = [](const Case& c) { return c.level >= kernmap::cpu::Level::kAvx512Bf16; }},
       {.op = "empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = empty_inputs},
       // ---- the residual add fused with RMSNorm: against its reference, then properties ----
       {.op = "add_rms_norm",
