@@ -24,6 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def pytest_configure(config):
     config.addinivalue_line("markers", "families: kernelize on every causal-LM family of transformers (about 20 s; "
                                        "-m 'not families' leaves it out)")
+    config.addinivalue_line("markers", "torchrun: starts processes under torchrun (two processes, gloo). scripts/test "
+                                       "runs these one at a time before the others, which run in parallel workers: "
+                                       "a DDP run beside another worker's tests aborted (SIGABRT) as it left its "
+                                       "process group in 1 of 3 parallel suite runs, and in none of 32 runs of it "
+                                       "alone under load (2026-12-03)")
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,8 @@ from kernmap.train import align
 
 from hf_models import make_model
 
+pytestmark = pytest.mark.torchrun  # every test here starts processes under torchrun (conftest.py)
+
 ARGS = ["--steps", "5", "--seq-len", "16", "--examples", "16", "--batch-size", "4"]
 RTOL = 1e-5
 
@@ -60,7 +62,9 @@ def assert_same_steps(got, want, what):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_two_processes_equal_the_unkernelized_run_and_one_process(parallel, family, checkpoints):
     out = torchrun("align", "--model", checkpoints / family, *ARGS, "--parallel", parallel, "--json")
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
+    if out.returncode != 0:  # the whole tail of both streams (an assertion's repr would cut it short)
+        pytest.fail(f"torchrun exited {out.returncode}\n--- stdout\n{out.stdout[-2000:]}\n--- stderr\n"
+                    f"{out.stderr[-12000:]}", pytrace=False)
     doc = json.loads(out.stdout)  # one document: rank 0 alone prints
     assert doc["passed"], doc["verdict"]
     assert doc["parallel"] == {"kind": parallel, "world": 2}

@@ -135,6 +135,7 @@ def test_dense_table_and_compile_rows():
     assert "+SiluAndMul" in rows and "+RMSNorm" in rows
 
 
+@pytest.mark.torchrun
 def test_under_torchrun_rank_0_prints_one_document():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",

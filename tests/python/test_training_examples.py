@@ -74,6 +74,7 @@ def test_single_process_examples_run(example, checkpoint):
     assert len(re.findall(r"^step \d+ loss \d", out, flags=re.M)) >= 3
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_distributed_example_runs_under_torchrun(parallel, checkpoint):
     out = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
