@@ -7,7 +7,7 @@ from pathlib import Path
 # the kernmap library behind its custom ops: a graph compiled against another build's Meta strides would be
 # replayed with that build's stride assertions. Every test session (and the processes it starts) compiles afresh.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernmap-tests-inductor-")
-# scripts/test runs the tests in two worker processes (pytest-xdist), each with a thread per core: OpenMP threads
+# scripts/test runs the tests in a worker process per CPU (pytest-xdist), each with a thread per core: OpenMP threads
 # that spin while they wait hold the core the other worker needs (a two-thread align test took 63 s beside
 # another worker instead of 12 s alone). Waiting threads sleep instead; results are the same either way. Read
 # by OpenMP when torch loads it, below; the processes the tests start inherit it.
