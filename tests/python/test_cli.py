@@ -107,6 +107,7 @@ def test_bench_levels_all_times_kernmap_at_each_level_up_to_the_cap(run_cli):
                          for il in (("kernmap", "baseline"), ("kernmap", "avx2"), ("reference", "")))
 
 
+@pytest.mark.slow
 def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(run_cli):
     # bf16 grouped products: at a level without bf16 dot products the compute floor is the fp32 GEMM rate,
     # measured in the same run, whatever the bf16 GEMM rate.

@@ -143,6 +143,7 @@ def test_tune_file_reproduces_the_choice_in_a_new_process_and_loads_in_python(tu
     assert kernmap.load_mapping_file(path) == doc["mapping"]  # the winners are built in: no plugin needed here
 
 
+@pytest.mark.slow
 def test_a_file_python_tune_writes_loads_in_the_command(tmp_path, run_cli):
     """Python's tune in a process of its own: this one holds other test files' Python kernels, which the command
     does not know."""

@@ -100,6 +100,7 @@ def test_twenty_adamw_steps_in_lockstep(family):
         torch.testing.assert_close(q, p, rtol=bound, atol=bound, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_torch_compile_training_runs_and_matches(family):
     """aot_eager traces the kernelized model with fake tensors (every kernmap op's Meta implementation and

@@ -276,6 +276,7 @@ def test_opcheck(dtype):
                           (hidden.detach(), weight.detach(), labels, None, -100, torch.tensor(3), [False, True, False]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_matches_eager(backend):
     hidden, weight, bias, labels = make(24, 16, 50, torch.float32, bias=True, ignore=[0, 1])

@@ -27,6 +27,7 @@ def test_installed_package_imports_outside_the_repository(tmp_path):
     assert kernel == "kernmap/rms_norm"
 
 
+@pytest.mark.slow
 def test_import_costs_torchs_import_and_the_experts_implementation_registers_when_transformers_moe_does():
     """`import kernmap` imports neither transformers nor torch._dynamo (seconds each, paid by every process that
     imports kernmap); transformers' MoE integration, imported after it (as a MoE model's modeling file imports
@@ -47,6 +48,7 @@ def test_import_costs_torchs_import_and_the_experts_implementation_registers_whe
     assert json.loads(r.stdout.splitlines()[-1]) is True
 
 
+@pytest.mark.slow
 def test_bench_json_has_the_shape_of_kernmap_bench_ops():
     r = run(["-m", "kernmap.bench", "--json", "--filter", "SiluAndMul/float32", "--warmup", "0", "--reps", "1",
              "--tokens-scale", "0.01"])

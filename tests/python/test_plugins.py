@@ -46,6 +46,7 @@ def run_python(code: str, **env):
                           env=full_env, timeout=300)
 
 
+@pytest.mark.slow
 def test_import_loads_kernmap_path_and_kernelize_runs_the_plugin_kernel(tmp_path):
     add_package(tmp_path, "kmgood", "kmgood", "kmgood")
     add_package(tmp_path, "throws", "kmthrows", "kmthrows")
@@ -91,6 +92,7 @@ def test_import_loads_kernmap_path_and_kernelize_runs_the_plugin_kernel(tmp_path
     assert doc["again"] == [["loaded", "already loaded (no-op)"]]
 
 
+@pytest.mark.slow
 def test_strict_load_raises_with_the_report_and_import_never_raises(tmp_path):
     add_package(tmp_path, "bad-sha", "kmsha", "kmzero", sha256="0" * 64)
     out = run_python(f"""

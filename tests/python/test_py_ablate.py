@@ -47,6 +47,7 @@ def test_moe_rows_json_and_numbers():
         assert row["final_loss"] == pytest.approx(first["final_loss"], rel=1e-5), row["name"]
 
 
+@pytest.mark.slow
 def test_one_row_at_a_time_gives_the_same_rows_and_losses():
     code, text = run_ablate("--preset", "qwen3-moe-tiny", *FAST, "--json")
     interleaved = json.loads(text)

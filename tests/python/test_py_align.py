@@ -75,6 +75,7 @@ def rel(value, original):
     return abs(value - original) / abs(original)
 
 
+@pytest.mark.slow
 def test_the_qwen2_moe_preset_passes_on_the_largest_drift_of_its_noise_runs():
     # With the one noise run of every layer on float64 this FAILed: grad_norm 6.0e-5 (step 18) against a floor
     # of 3.1e-6 — a router near-tie the kernelized run tipped and that run did not; ForCausalLMLoss's and
@@ -106,6 +107,7 @@ def test_align_with_gradient_checkpointing_passes(checkpoints):
     assert doc["passed"] and doc["gradient_checkpointing"]
 
 
+@pytest.mark.slow
 def test_compile_adds_the_compiled_original_and_kernelized_runs(checkpoints):
     # aot_eager: the fake-tensor trace and autograd graphs of torch.compile without inductor's code generation
     # (minutes on 2 cores; test_kernelize_models.py runs inductor)
@@ -172,6 +174,7 @@ def cpu_level():
     kernmap.set_cpu_level(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("level", kernmap.supported_cpu_levels())
 def test_a_kernel_wrong_by_1e3_fails_and_the_builtin_kernels_pass_everywhere(level, threads, cpu_level):

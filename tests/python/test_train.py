@@ -121,6 +121,7 @@ def test_sft_run_equals_transformers(family, kernels, tmp_path, kernmap):
     assert theirs[-1][0] < theirs[0][0]  # and it learned
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny"])
 def test_align_passes_on_presets(preset, kernmap):
     out = json.loads(kernmap("align", "--preset", preset, "--steps", 20, "--seq-len", 64, "--json").stdout)

@@ -54,6 +54,7 @@ def test_every_example_is_shown_in_the_docs_as_it_is():
         assert f"```python\n{path.read_text()}```" in section, f"{path.name} is not in docs/python.md as it is"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", ["hf_trainer", "trl_sft"])
 def test_trainers_train_the_same_losses_with_kernmap(example, checkpoint, tmp_path):
     script = EXAMPLES / f"{example}.py"
@@ -67,6 +68,7 @@ def test_trainers_train_the_same_losses_with_kernmap(example, checkpoint, tmp_pa
     assert verdict.passed, verdict
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", ["peft_lora", "compile", "checkpointing"])
 def test_single_process_examples_run(example, checkpoint):
     out = run(sys.executable, EXAMPLES / f"{example}.py", checkpoint)

@@ -97,6 +97,7 @@ def test_the_winner_is_the_fastest_verified_candidate(qwen2_tuned):
         assert [c.kernel for c in r.candidates if c.verdict == "winner"] == [r.winner]
 
 
+@pytest.mark.slow
 def test_the_compiled_reference_is_a_candidate():
     result = kernmap.tune(make_model("qwen3_moe"), sample(), warmup=1, reps=2)
     rms = candidates(result, "RMSNorm")["reference/rms_norm (torch.compile)"]
@@ -114,6 +115,7 @@ def _python(script, *args):
     return json.loads(out.splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
 def test_the_mapping_file_reproduces_the_choice_in_a_new_process(suffix, tmp_path):
     """Tuned in a process that has only the built-in kernels (this one holds every test file's registrations,
@@ -149,6 +151,7 @@ def test_a_path_of_another_format_is_refused(tmp_path):
         kernmap.tune(make_model("qwen2"), sample(), tmp_path / "tuned.yaml", **FAST)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
 def test_a_tuned_model_aligns_with_the_original(family, tmp_path):
     make_model(family).save_pretrained(tmp_path / family)
