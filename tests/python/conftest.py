@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # by number): N workers of N threads each on N CPUs ran the tiny-model align tests 5x slower than one thread,
 # every parallel region waking sleeping threads (qwen2-moe-tiny, 20 steps: 34 s, one thread 6 s).
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-    _cpus = len(os.sched_getaffinity(0))
+    _cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ["OMP_NUM_THREADS"] = str(max(1, _cpus // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import pytest  # noqa: E402
