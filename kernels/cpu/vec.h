@@ -205,14 +205,11 @@ inline VU bf16_round_high(VF v) {
   const __m512i up = _mm512_add_epi32((__m512i)u, _mm512_set1_epi32(0x7fff));
   const VU rounded = (VU)_mm512_mask_add_epi32(
       up, _mm512_test_epi32_mask((__m512i)u, _mm512_set1_epi32(0x10000)), up, _mm512_set1_epi32(1));
-#else
-  VU rounded = u + 0x7fffu + ((u >> 16) & 1u);
-#endif
-#if defined(__AVX512F__)
   // The compare into a mask register and a masked move replace GCC's compare-and-blend of the generic select.
   return (VU)_mm512_mask_mov_epi32((__m512i)rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                                    _mm512_set1_epi32(-1));
 #else
+  VU rounded = u + 0x7fffu + ((u >> 16) & 1u);
   return rounded | (VU)(v != v);
 #endif
 }
