@@ -194,25 +194,31 @@ inline void store_native(float* p, VF v) {
 inline void store_native(double* p, VD v) {
   std::memcpy(p, &v, sizeof v);
 }
+#if defined(__AVX512F__)
+// Round to nearest even on the bits, without the NaN lanes (the callers put 0xffff there, the NaN torch's
+// vectorized conversion writes, with one masked instruction they need anyway: an and, a permute): u + 0x7fff,
+// plus 1 where the tie bit (16) is set, as a vptestmd mask and a masked add, one instruction fewer than the
+// shift and the and. Only the high half of each lane is the result.
+inline __m512i bf16_round_bits(VF v) {
+  const __m512i u = (__m512i)v, up = _mm512_add_epi32(u, _mm512_set1_epi32(0x7fff));
+  return _mm512_mask_add_epi32(up, _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000)), up,
+                               _mm512_set1_epi32(1));
+}
+/// The lanes that are not NaN.
+inline __mmask16 ordered(VF v) {
+  return _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+}
+#else
 // Round to nearest even on the bits; a NaN lane becomes all ones (bf16 0xffff, the NaN torch's vectorized
 // conversion writes): the compare's mask ORed in, two instructions, where a select of u | 0x400000 (a quiet
 // NaN with its sign) took five with AVX2's blend. Only the high half of each lane is the result (callers
 // clear or shift out the low half).
 inline VU bf16_round_high(VF v) {
   VU u = (VU)v;
-#if defined(__AVX512F__)
-  // The tie bit as a mask (one test) and a masked add of 1: one instruction fewer than the shift and the and.
-  const __m512i up = _mm512_add_epi32((__m512i)u, _mm512_set1_epi32(0x7fff));
-  const VU rounded = (VU)_mm512_mask_add_epi32(
-      up, _mm512_test_epi32_mask((__m512i)u, _mm512_set1_epi32(0x10000)), up, _mm512_set1_epi32(1));
-  // The compare into a mask register and a masked move replace GCC's compare-and-blend of the generic select.
-  return (VU)_mm512_mask_mov_epi32((__m512i)rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                   _mm512_set1_epi32(-1));
-#else
   VU rounded = u + 0x7fffu + ((u >> 16) & 1u);
   return rounded | (VU)(v != v);
-#endif
 }
+#endif
 // vcvtneps2bf16 (avx512bf16 level) rounds to nearest even like the code below, but keeps a NaN's sign and
 // payload (quiet), where torch and the code below write 0xffff, and treats subnormal floats as zero, where
 // torch's conversion rounds them (to a bf16 subnormal, or up to FLT_MIN): the price of replacing about seven
@@ -229,11 +235,13 @@ inline Packed16 pack16(VF v, BFloat16) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
 #elif defined(__AVX512F__)
-  // Each lane's high half gathered into the low 32 bytes: one vpermw, where a shift and vpmovdw took three
-  // micro-ops on Intel cores.
+  // Each lane's high half gathered into the low 32 bytes by one vpermw (a shift and vpmovdw took three
+  // micro-ops on Intel cores); word l of the result is lane l's, so the ordered mask masks it, NaN lanes
+  // keeping the all-ones source.
   const __m512i high = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27,
                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high, (__m512i)bf16_round_high(v)));
+  return _mm512_castsi512_si256(
+      _mm512_mask_permutexvar_epi16(_mm512_set1_epi32(-1), ordered(v), high, bf16_round_bits(v)));
 #else
   // Each lane's high half gathered into the low 8 bytes of its 128-bit half, then the two halves' 8 bytes
   // joined: two shuffles (a shift, an extract and a pack took three).
@@ -367,7 +375,13 @@ inline V round_block(V v) {
     // Subnormals become zero, as in store_native.
     return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
 #else
+#if defined(__AVX512F__)
+    // The and masked by the ordered lanes: a NaN lane keeps the source, 0xffff0000.
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    return (VF)_mm512_mask_and_epi32(high, ordered(v), bf16_round_bits(v), high);
+#else
     return (VF)(bf16_round_high(v) & 0xffff0000u);
+#endif
 #endif
   } else if constexpr (std::is_same_v<T, Float16>) {
 #if defined(__AVX512F__)
