@@ -374,14 +374,12 @@ inline V round_block(V v) {
 #if defined(__AVX512BF16__)
     // Subnormals become zero, as in store_native.
     return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
-#else
-#if defined(__AVX512F__)
+#elif defined(__AVX512F__)
     // The and masked by the ordered lanes: a NaN lane keeps the source, 0xffff0000.
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     return (VF)_mm512_mask_and_epi32(high, ordered(v), bf16_round_bits(v), high);
 #else
     return (VF)(bf16_round_high(v) & 0xffff0000u);
-#endif
 #endif
   } else if constexpr (std::is_same_v<T, Float16>) {
 #if defined(__AVX512F__)

@@ -23,9 +23,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # And each worker takes its share of the CPUs as its default thread count (tests of several threads ask for them
 # by number): N workers of N threads each on N CPUs ran the tiny-model align tests 5x slower than one thread,
 # every parallel region waking sleeping threads (qwen2-moe-tiny, 20 steps: 34 s, one thread 6 s).
+_WORKERS = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))  # 1 outside pytest-xdist
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
     _cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ["OMP_NUM_THREADS"] = str(max(1, _cpus // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cpus // _WORKERS))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -55,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
     first share ran on one worker for the whole run)."""
     slow = [item for item in items if item.get_closest_marker("slow")]
     rest = [item for item in items if not item.get_closest_marker("slow")]
-    n = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    n = _WORKERS
     items[:] = [item for k in range(n) for item in slow[k::n] + rest[k * len(rest) // n:(k + 1) * len(rest) // n]]
 
 
