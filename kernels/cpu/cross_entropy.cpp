@@ -1,7 +1,7 @@
 // The cross-entropy rows of the fused linear cross-entropy, compiled once per instruction-set level: the
 // log-sum-exp of each row of a chunk of logits, the loss at the row's label and, when asked, the softmax
-// gradient written over the logits. Three passes over a row (max, sum of exponentials, gradient): a row of
-// V = 152K fp32 logits is 600 KB, so the second and third read it from level 2.
+// gradient written over the logits; and the same log-sum-exp by blocks of classes, for the loss alone
+// (linear_cross_entropy without gradients multiplies the weight by blocks of rows).
 #include <algorithm>
 #include <limits>
 
@@ -61,69 +61,118 @@ inline V max_block(V a, V b) {
   return b > a ? b : a;
 }
 
-// Scalar math, for a row z[0, V) with label y, in Acc (bf16 and fp16 logits widen exactly):
-//   m = max_j z_j; ls = log(sum_j e^(z_j - m)); loss = -((z_y - m) - ls)
-//   with grad: z_j <- round_T(e^((z_j - m) - ls) * scale), and z_y <- round_T(e^((z_y - m) - ls) * scale -
-//   scale): the eager log_softmax backward of nll_loss's -scale at the label.
-// A row holding a NaN, or whose maximum is infinite, has no finite log-sum-exp: its loss and gradient are
-// NaN, as the eager log_softmax makes them.
+// The maximum of z[0, V) in Acc, NaN if any value is NaN (a NaN never wins a comparison, so it is looked for
+// apart).
 template <class T>
-void rows(T* z, int64_t ldz, int64_t V, const int64_t* target, Acc<T> scale, Acc<T>* loss, bool grad,
-          int64_t r0, int64_t r1) {
+Acc<T> row_max(const T* zr, int64_t V) {
   using A = Acc<T>;
   using W = Vec<A>;
   constexpr int64_t kUnroll = 4;  // independent accumulators: the max and the sum are latency-bound otherwise
   const int64_t Vb = V - V % kBlock;
   const int64_t Vu = V - V % (kBlock * kUnroll);
+  W mx[kUnroll], bad{};
+  for (auto& v : mx) v = W{} - std::numeric_limits<A>::infinity();
+  for (int64_t i = 0; i < Vu; i += kBlock * kUnroll)
+    for (int u = 0; u < kUnroll; ++u) {
+      const W v = load<A>(zr + i + u * kBlock);
+      mx[u] = max_block(mx[u], v);
+      bad = v != v ? W{} + 1 : bad;
+    }
+  for (int64_t i = Vu; i < Vb; i += kBlock) {
+    const W v = load<A>(zr + i);
+    mx[0] = max_block(mx[0], v);
+    bad = v != v ? W{} + 1 : bad;
+  }
+  A m = -std::numeric_limits<A>::infinity();
+  bool has_nan = false;
+  for (int u = 0; u < kUnroll; ++u)
+    for (int j = 0; j < kBlock; ++j) m = std::max(m, mx[u][j]);
+  for (int j = 0; j < kBlock; ++j) has_nan = has_nan || bad[j] != 0;
+  for (int64_t i = Vb; i < V; ++i) {
+    const A v = to_acc<A>(zr[i]);
+    m = std::max(m, v);
+    has_nan = has_nan || v != v;
+  }
+  return has_nan ? std::numeric_limits<A>::quiet_NaN() : m;
+}
+
+// sum_j e^(z_j - m) over z[0, V), for a finite m.
+template <class T>
+Acc<T> row_sum_exp(const T* zr, int64_t V, Acc<T> m) {
+  using A = Acc<T>;
+  using W = Vec<A>;
+  constexpr int64_t kUnroll = 4;
+  const int64_t Vb = V - V % kBlock;
+  const int64_t Vu = V - V % (kBlock * kUnroll);
+  W sum[kUnroll] = {};
+  for (int64_t i = 0; i < Vu; i += kBlock * kUnroll)
+    for (int u = 0; u < kUnroll; ++u) sum[u] += exp_block(load<A>(zr + i + u * kBlock) - m);
+  for (int64_t i = Vu; i < Vb; i += kBlock) sum[0] += exp_block(load<A>(zr + i) - m);
+  A s = lane_sum((sum[0] + sum[1]) + (sum[2] + sum[3]));
+  for (int64_t i = Vb; i < V; ++i) s += exp_scalar(to_acc<A>(zr[i]) - m);
+  return s;
+}
+
+// Scalar math, for a row z[0, V) with label y, in Acc (bf16 and fp16 logits widen exactly):
+//   m = max_j z_j; ls = log(sum_j e^(z_j - m)); loss = -((z_y - m) - ls)
+//   with grad: z_j <- round_T(e^((z_j - m) - ls) * scale), and z_y <- round_T(e^((z_y - m) - ls) * scale -
+//   scale): the eager log_softmax backward of nll_loss's -scale at the label.
+// A row holding a NaN, or whose maximum is infinite, has no finite log-sum-exp: its loss and gradient are
+// NaN, as the eager log_softmax makes them. Three passes over a row (max, sum of exponentials, gradient): a
+// row of V = 152K fp32 logits is 600 KB, so the second and third read it from level 2.
+template <class T>
+void rows(T* z, int64_t ldz, int64_t V, const int64_t* target, Acc<T> scale, Acc<T>* loss, bool grad,
+          int64_t r0, int64_t r1) {
+  using A = Acc<T>;
   const A nan = std::numeric_limits<A>::quiet_NaN();
+  const int64_t Vb = V - V % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     T* zr = z + r * ldz;
     const int64_t y = target[r];
     const A zy = to_acc<A>(zr[y]);
-    // Pass 1: the maximum, and whether any value is NaN (a NaN never wins a comparison).
-    W mx[kUnroll], bad{};
-    for (auto& v : mx) v = W{} - std::numeric_limits<A>::infinity();
-    for (int64_t i = 0; i < Vu; i += kBlock * kUnroll)
-      for (int u = 0; u < kUnroll; ++u) {
-        const W v = load<A>(zr + i + u * kBlock);
-        mx[u] = max_block(mx[u], v);
-        bad = v != v ? W{} + 1 : bad;
-      }
-    for (int64_t i = Vu; i < Vb; i += kBlock) {
-      const W v = load<A>(zr + i);
-      mx[0] = max_block(mx[0], v);
-      bad = v != v ? W{} + 1 : bad;
-    }
-    A m = -std::numeric_limits<A>::infinity();
-    bool has_nan = false;
-    for (int u = 0; u < kUnroll; ++u)
-      for (int j = 0; j < kBlock; ++j) m = std::max(m, mx[u][j]);
-    for (int j = 0; j < kBlock; ++j) has_nan = has_nan || bad[j] != 0;
-    for (int64_t i = Vb; i < V; ++i) {
-      const A v = to_acc<A>(zr[i]);
-      m = std::max(m, v);
-      has_nan = has_nan || v != v;
-    }
-    if (has_nan || std::isinf(m)) {
+    const A m = row_max(zr, V);
+    if (!std::isfinite(m)) {
       loss[r] = nan;
       if (grad)
         for (int64_t i = 0; i < V; ++i) zr[i] = from_acc<T>(nan);
       continue;
     }
-    // Pass 2: the sum of e^(z - m).
-    W sum[kUnroll] = {};
-    for (int64_t i = 0; i < Vu; i += kBlock * kUnroll)
-      for (int u = 0; u < kUnroll; ++u) sum[u] += exp_block(load<A>(zr + i + u * kBlock) - m);
-    for (int64_t i = Vu; i < Vb; i += kBlock) sum[0] += exp_block(load<A>(zr + i) - m);
-    A s = lane_sum((sum[0] + sum[1]) + (sum[2] + sum[3]));
-    for (int64_t i = Vb; i < V; ++i) s += exp_scalar(to_acc<A>(zr[i]) - m);
-    const A ls = std::log(s);
+    const A ls = std::log(row_sum_exp(zr, V, m));
     loss[r] = -((zy - m) - ls);
     if (!grad) continue;
-    // Pass 3: the gradient over the logits, then the label's own term.
+    // The gradient over the logits, then the label's own term.
     for (int64_t i = 0; i < Vb; i += kBlock) store(zr + i, exp_block((load<A>(zr + i) - m) - ls) * scale);
     for (int64_t i = Vb; i < V; ++i) zr[i] = from_acc<T>(exp_scalar((to_acc<A>(zr[i]) - m) - ls) * scale);
     zr[y] = from_acc<T>(exp_scalar((zy - m) - ls) * scale - scale);
+  }
+}
+
+// One block of classes [v0, v0 + cols) of each row: the running maximum m[r] and sum s[r] = sum e^(z - m[r])
+// over the blocks so far take this block's in (s rescaled by e^(old m - new m) when the maximum grows), and
+// zy[r] takes the label's logit when the label is in the block. NaN is sticky in m (a NaN logit), and so is
+// +inf (an infinite maximum); both leave s as it is. A row's only block gives the same m and s as rows'
+// passes.
+template <class T>
+void block_rows(const T* z, int64_t ldz, int64_t cols, int64_t v0, const int64_t* target, Acc<T>* m,
+                Acc<T>* s, Acc<T>* zy, int64_t r0, int64_t r1) {
+  using A = Acc<T>;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* zr = z + r * ldz;
+    const int64_t y = target[r] - v0;
+    if (y >= 0 && y < cols) zy[r] = to_acc<A>(zr[y]);
+    if (std::isnan(m[r]) || m[r] == std::numeric_limits<A>::infinity()) continue;
+    const A mb = row_max(zr, cols);
+    if (std::isnan(mb) || mb == std::numeric_limits<A>::infinity()) {
+      m[r] = mb;
+      continue;
+    }
+    if (mb == -std::numeric_limits<A>::infinity()) continue;  // e^-inf: the block adds nothing
+    if (mb > m[r]) {
+      s[r] = s[r] * std::exp(m[r] - mb) + row_sum_exp(zr, cols, mb);  // e^-inf = 0 for the first block
+      m[r] = mb;
+    } else {
+      s[r] += row_sum_exp(zr, cols, m[r]);
+    }
   }
 }
 
@@ -136,6 +185,17 @@ void cross_entropy_rows(DType dtype, void* z, int64_t ldz, int64_t V, const int6
     using A = Acc<T>;
     rows<T>(static_cast<T*>(z), ldz, V, target, static_cast<A>(scale), static_cast<A*>(loss), grad, row_begin,
             row_end);
+  });
+}
+
+void cross_entropy_block(DType dtype, const void* z, int64_t ldz, int64_t cols, int64_t v0,
+                         const int64_t* target, void* max, void* sum, void* label_logit, int64_t row_begin,
+                         int64_t row_end) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = Acc<T>;
+    block_rows<T>(static_cast<const T*>(z), ldz, cols, v0, target, static_cast<A*>(max), static_cast<A*>(sum),
+                  static_cast<A*>(label_logit), row_begin, row_end);
   });
 }
 

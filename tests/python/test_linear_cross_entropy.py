@@ -344,6 +344,50 @@ def test_bf16_products_in_either_route_match_transformers(chunk_rows, monkeypatc
         assert rel_err(g, o) <= 2e-2
 
 
+@pytest.mark.parametrize("route", ["native", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_loss_without_gradients_by_blocks_of_classes(chunk_rows, monkeypatch, dtype, route):
+    """Without gradients the logits go by blocks of classes (KERNMAP_LCE_VOCAB_BLOCK) against passes of rows
+    (KERNMAP_LCE_CHUNK_ROWS): several passes and blocks, the last of each partial, gathered rows, bias, either
+    bf16 route; the loss of transformers and of the route with gradients, within the dtype's loss tolerance."""
+    chunk_rows(16)
+    monkeypatch.setenv("KERNMAP_LCE_VOCAB_BLOCK", "64")
+    monkeypatch.setenv("KERNMAP_BF16_GEMM", route)
+    hidden, weight, bias, labels = make(90, 40, 333, dtype, bias=True, ignore=[*range(5, 30), 70])
+    tol = linear_cross_entropy_tol(dtype)["loss"]
+    with torch.no_grad():
+        got = kernmap_loss(hidden, weight, bias, labels)
+        want = transformers_loss(hidden, weight, bias, labels)
+    with_grads = loss_and_grads(kernmap_loss, hidden, weight, bias, labels)[0]
+    assert got.dtype == torch.float32 and got.shape == ()
+    assert abs(got.item() - want.item()) <= tol * abs(want.item()), (got, want)
+    assert abs(got.item() - with_grads.item()) <= tol * abs(want.item()), (got, with_grads)
+
+
+def test_loss_without_gradients_of_non_finite_rows(monkeypatch):
+    """By blocks of classes a NaN logit, an infinite one or a row of -inf logits makes the loss NaN, as
+    transformers' does; a -inf logit elsewhere counts as probability 0."""
+    monkeypatch.setenv("KERNMAP_LCE_VOCAB_BLOCK", "8")
+    hidden, _, _, labels = make(4, 3, 30, torch.float32)
+    labels[:] = torch.tensor([0, 29, 15, 3])
+    bias = torch.zeros(30)
+    weight = torch.zeros(30, 3)
+    for poison in (float("nan"), float("inf")):
+        b = bias.clone()
+        b[20] = poison
+        with torch.no_grad():
+            assert kernmap_loss(hidden, weight, b, labels).isnan()
+            assert transformers_loss(hidden, weight, b, labels).isnan()
+    b = bias.clone()
+    b[[1, 17]] = float("-inf")
+    with torch.no_grad():
+        got, want = kernmap_loss(hidden, weight, b, labels), transformers_loss(hidden, weight, b, labels)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    b[:] = float("-inf")
+    with torch.no_grad():
+        assert kernmap_loss(hidden, weight, b, labels).isnan()
+
+
 def test_bad_bf16_gemm_setting_is_an_error(monkeypatch):
     hidden, weight, _, labels = make(4, 8, 16, torch.bfloat16)
     monkeypatch.setenv("KERNMAP_BF16_GEMM", "fast")

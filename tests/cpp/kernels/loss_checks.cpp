@@ -5,6 +5,7 @@
 // elementwise rule's atol). tests/python adds transformers itself, gradcheck, opcheck and torch.compile.
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -20,13 +21,19 @@
 namespace kernmap::testing {
 namespace {
 
-// Sets the rows per chunk (read by every linear_cross_entropy call) for the check's lifetime.
-class ChunkRows {
+// Sets an environment variable read by every linear_cross_entropy call (the rows per chunk, the classes per
+// block) for the check's lifetime.
+class EnvSetting {
  public:
-  explicit ChunkRows(int64_t rows) { setenv("KERNMAP_LCE_CHUNK_ROWS", std::to_string(rows).c_str(), 1); }
-  ~ChunkRows() { unsetenv("KERNMAP_LCE_CHUNK_ROWS"); }
-  ChunkRows(const ChunkRows&) = delete;
-  ChunkRows& operator=(const ChunkRows&) = delete;
+  EnvSetting(const char* name, int64_t value) : name_(name) {
+    setenv(name, std::to_string(value).c_str(), 1);
+  }
+  ~EnvSetting() { unsetenv(name_); }
+  EnvSetting(const EnvSetting&) = delete;
+  EnvSetting& operator=(const EnvSetting&) = delete;
+
+ private:
+  const char* name_;
 };
 
 }  // namespace
@@ -34,7 +41,7 @@ class ChunkRows {
 void linear_cross_entropy_matches_reference(const Case& c) {
   const int64_t N = c["N"], H = c["H"], V = c["V"];
   const bool with_bias = c.layout == "bias";
-  const ChunkRows rows(c["chunk"]);
+  const EnvSetting rows("KERNMAP_LCE_CHUNK_ROWS", c["chunk"]);
   const at::Tensor h0 = randn({N, H}, c.dtype);
   const at::Tensor w0 = (at::randn({V, H}, at::kDouble) * (2 / std::sqrt(double(H)))).to(c.dtype);
   const at::Tensor b0 = randn({V}, c.dtype);
@@ -60,6 +67,17 @@ void linear_cross_entropy_matches_reference(const Case& c) {
   EXPECT_TRUE(within_fraction_of_largest(gw[0], gw[1], t.weight_grad)) << "the gradient of weight";
   if (with_bias) {
     EXPECT_TRUE(within_fraction_of_largest(gb[0], gb[1], t.grad)) << "the gradient of bias";
+  }
+  // Without gradients the logits go by blocks of classes: 16 (several blocks, the last partial, where V > 16)
+  // and the default (one block at these sizes).
+  for (const int64_t block : {int64_t{16}, int64_t{0}}) {
+    SCOPED_TRACE("classes per block " + std::to_string(block));
+    std::optional<EnvSetting> set;
+    if (block) set.emplace("KERNMAP_LCE_VOCAB_BLOCK", block);
+    const at::Tensor l = kernmap::linear_cross_entropy(
+        h0, w0, labels, with_bias ? std::optional<at::Tensor>(b0) : std::nullopt);
+    EXPECT_EQ(l.scalar_type(), acc_of(c.dtype));
+    EXPECT_TRUE(within_fraction_of_largest(l, loss[1], t.loss)) << "the loss without gradients";
   }
 }
 
@@ -104,6 +122,36 @@ void cross_entropy_rows_match_float64_math(const Case& c) {
   k.cross_entropy_rows(dt, z2.data_ptr(), V, V, target.data(), scale, loss2.data_ptr(), false, 0, R);
   EXPECT_TRUE(same_bits(z2, z));
   EXPECT_TRUE(at::equal(loss2.nan_to_num(), loss.nan_to_num()));
+  // By blocks of classes (cross_entropy_block): the whole row as one block has the row's maximum and the
+  // loss of rows; blocks of 16 (the last of 11) and of 1 the float64 loss within the row tolerance, the
+  // label's logit as it is, and no finite maximum in the non-finite rows.
+  for (const int64_t B : {V, int64_t{16}, int64_t{1}}) {
+    SCOPED_TRACE("classes per block " + std::to_string(B));
+    at::Tensor mx = at::full({R}, -std::numeric_limits<double>::infinity(), acc_of(c.dtype));
+    at::Tensor sum = at::zeros({R}, acc_of(c.dtype)), zy = at::full({R}, 1e30, acc_of(c.dtype));
+    for (int64_t v0 = 0; v0 < V; v0 += B) {
+      const int64_t cols = std::min(B, V - v0);
+      const at::Tensor zb = z.narrow(1, v0, cols).contiguous();
+      k.cross_entropy_block(dt, zb.const_data_ptr(), cols, cols, v0, target.data(), mx.data_ptr(),
+                            sum.data_ptr(), zy.data_ptr(), 0, R);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      SCOPED_TRACE("row " + std::to_string(r));
+      const double m = mx[r].item<double>();
+      if (r >= 3) {
+        EXPECT_FALSE(std::isfinite(m)) << m;
+        continue;
+      }
+      EXPECT_EQ(zy[r].item<double>(), z[r][target[r]].item<double>());
+      const double got = -((zy[r].item<double>() - m) - std::log(sum[r].item<double>()));
+      if (B == V) {
+        EXPECT_NEAR(got, loss[r].item<double>(), t.row_loss * std::abs(loss[r].item<double>()));
+        EXPECT_EQ(m, zd[r].max().item<double>());
+      }
+      const double want = lse[r].item<double>() - zd[r][target[r]].item<double>();
+      EXPECT_NEAR(got, want, t.row_loss * std::abs(want));
+    }
+  }
 }
 
 }  // namespace kernmap::testing
