@@ -1,12 +1,13 @@
 // `kernmap bench ops`: each kernel against the reference, side by side in one run. Repetitions of the
 // implementations of one case are interleaved so machine drift hits them alike; medians after warm-up. The
 // machine's limits are measured in the same run: the copy bandwidth (bytes read + bytes written by a large
-// buffer copy) and the dense GEMM rate of each dtype a case with FLOPs uses, and of fp32. Each row's floor is
-// the larger of its bytes at the copy bandwidth and its FLOPs at the fastest dense rate its level can use
-// (fp32, or the case's dtype where the level has that dtype's product instructions: kernels may compute a
-// bf16 case in fp32); the row names the limit its floor came from. With --levels, kernmap's implementations
-// are timed at each level in the same process (set_cpu_level switches every thread's kernel table between
-// repetitions), interleaved with the other implementations, which run once.
+// buffer copy, again among each case's repetitions, whose rows it floors) and the dense GEMM rate of each
+// dtype a case with FLOPs uses, and of fp32. Each row's floor is the larger of its bytes at the copy
+// bandwidth and its FLOPs at the fastest dense rate its level can use (fp32, or the case's dtype where the
+// level has that dtype's product instructions: kernels may compute a bf16 case in fp32); the row names the
+// limit its floor came from. With --levels, kernmap's implementations are timed at each level in the same
+// process (set_cpu_level switches every thread's kernel table between repetitions), interleaved with the
+// other implementations, which run once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
@@ -14,6 +15,7 @@
 #include <CLI/CLI.hpp>
 
 #include <malloc.h>
+#include <sys/resource.h>
 #include <unistd.h>
 #include <algorithm>
 #include <chrono>
@@ -124,37 +126,74 @@ double now_ms() {
   return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
 }
 
+// Page faults of this process so far (minor: memory the kernel maps in, zeroed).
+int64_t minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
 // Times every implementation of a case; repetition i of each runs before repetition i+1 of any. Each run's
 // peak memory is counted too (kernmap/memory.h: c10's CPU allocator and the large-block cache).
+//
+// The warm-up lasts until the allocator is in its steady state: while a warm-up round has an implementation
+// page-faulting in more than 1 MiB, one more round (at most 10 more, and none once the extra rounds have
+// taken 10 s). glibc hands a freed large block back only after a few calls: a 155 MB output (bf16 silu at
+// [4096, 18944]) came from fresh memory, 37,888 page faults and 3x the time, on the 2nd to 8th call of a
+// process, and on none after (xeon-avx512-vm, 2026-12-03; keep_freed_memory's settings in effect). Three
+// warm-ups left 5 of 11 timed runs in that state, and a row's median jumped between runs.
 std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Options& o) {
+  constexpr int64_t kSteadyFaults = 256;  // 1 MiB of 4 KiB pages
+  constexpr int kMaxExtraRounds = 10;
+  constexpr double kMaxExtraMs = 10000;
   count_cpu_memory();
   std::vector<std::vector<double>> ms(impls.size());
   std::vector<double> peak(impls.size(), 0);
-  for (int r = 0; r < o.warmup + o.reps; ++r)
+  int warmup = o.warmup;
+  double extra_ms = 0;
+  for (int r = 0; r < warmup + o.reps; ++r) {
+    bool faulted = false;
+    const double round_start = now_ms();
     for (size_t i = 0; i < impls.size(); ++i) {
       const int cap = impls[i].reps_cap;
-      if (cap > 0 && (r < o.warmup || static_cast<int>(ms[i].size()) >= cap)) continue;
+      if (cap > 0 && (r < warmup || static_cast<int>(ms[i].size()) >= cap)) continue;
       reset_cpu_memory_peak();
       const int64_t before = cpu_memory().in_use;
+      const int64_t faults = minor_faults();
       const double t0 = now_ms();
       impls[i].run();
       const double t1 = now_ms();
+      faulted = faulted || minor_faults() - faults > kSteadyFaults;
       peak[i] = std::max(peak[i], static_cast<double>(cpu_memory().peak - before));
-      if (r >= o.warmup) ms[i].push_back(t1 - t0);
+      if (r >= warmup) ms[i].push_back(t1 - t0);
     }
+    if (r >= o.warmup) extra_ms += now_ms() - round_start;
+    if (r == warmup - 1 && faulted && warmup < o.warmup + kMaxExtraRounds && extra_ms < kMaxExtraMs) ++warmup;
+  }
   std::vector<Timing> out;
   for (size_t i = 0; i < ms.size(); ++i) out.push_back(stats(ms[i], peak[i]));
   return out;
 }
 
-double copy_gbps(const Options& o) {
-  const int64_t n = int64_t(1) << 26;  // 256 MiB of float32 each way: far beyond the caches
-  at::Tensor src = at::rand({n});
-  at::Tensor dst = at::empty({n});
+// The copy bandwidth probe: a 256 MiB float32 buffer copied into another (far beyond the caches), bytes read
+// + bytes written. Measured once at the start (the run's `limits` line) and again inside every case, its
+// repetitions interleaved with the case's implementations, so that a row's copy floor comes from the same
+// moments as its own times: on a shared machine the bandwidth moves by tens of percent within a run, and one
+// figure from the start misstates later rows either way.
+struct CopyProbe {
+  static constexpr int64_t kFloats = int64_t(1) << 26;
+  at::Tensor src = at::rand({kFloats});
+  at::Tensor dst = at::empty({kFloats});
+  Impl impl() {
+    return {"copy", [this] { dst.copy_(src); }};
+  }
+  static double gbps(const Timing& t) { return 2.0 * kFloats * 4 / (t.median_ms * 1e6); }
+};
+
+double copy_gbps(CopyProbe& probe, const Options& o) {
   Options copy_opts = o;
   copy_opts.reps = std::max(o.reps, 5);
-  const Timing t = time_interleaved({Impl{"copy", [&] { dst.copy_(src); }}}, copy_opts)[0];
-  return 2.0 * n * 4 / (t.median_ms * 1e6);
+  return CopyProbe::gbps(time_interleaved({probe.impl()}, copy_opts)[0]);
 }
 
 // glibc returns every block over 32 MiB to the OS on free, so each large output would be page-faulted in
@@ -199,6 +238,7 @@ struct Row {
   std::string impl;
   std::string level;  ///< the level kernmap's kernels ran at; empty for an implementation that runs none
   Timing t;
+  double copy_gbps;  ///< the copy bandwidth measured among the case's repetitions (CopyProbe)
 };
 
 struct Floor {
@@ -253,7 +293,8 @@ int bench_command(const Options& o) {
   // KERNMAP_CPU_ISA and --levels change kernmap's only.
   const std::string torch_level = at::get_cpu_capability();
   const std::vector<std::string> levels = levels_to_run(o.levels);
-  const double copy = copy_gbps(o);
+  CopyProbe probe;
+  const double copy = copy_gbps(probe, o);
   // Dense GFLOP/s per dtype, measured when a case does FLOPs: its dtype's and fp32's (the honest limit of a
   // low-precision case computed in fp32).
   std::map<std::string, double> peak;
@@ -294,7 +335,11 @@ int bench_command(const Options& o) {
         co.reps = std::min(o.reps, c.max_reps);
         co.warmup = std::min(o.warmup, 1);
       }
-      const auto timings = time_interleaved(c.impls, co);
+      c.impls.push_back(probe.impl());  // last: the case's own copy bandwidth
+      std::vector<Timing> timings = time_interleaved(c.impls, co);
+      c.impls.pop_back();
+      const double case_copy = CopyProbe::gbps(timings.back());
+      timings.pop_back();
       set_cpu_level(start_level);
       std::vector<std::string> names;
       for (const Impl& im : c.impls) names.push_back(im.name);
@@ -307,7 +352,7 @@ int bench_command(const Options& o) {
       kernmap::release_cached_memory();
       malloc_trim(0);
       for (size_t k = 0; k < names.size(); ++k) {
-        rows.push_back({c, names[k], impl_levels[k], timings[k]});
+        rows.push_back({c, names[k], impl_levels[k], timings[k], case_copy});
         // The dense row of a case measures the same peak again: the floor uses the better of the two
         // measurements (one slow calibration, e.g. a first MKL call, would otherwise flatter every row).
         if (names[k] == "dense" && c.flops > 0)
@@ -323,7 +368,7 @@ int bench_command(const Options& o) {
   // row's level can use (an implementation outside kernmap, or whose products go through BLAS: the faster of
   // the machine's fp32 and case-dtype rates).
   auto floor_of = [&](const Row& r) {
-    Floor f{r.c.bytes / (copy * 1e6), "copy"};
+    Floor f{r.c.bytes / (r.copy_gbps * 1e6), "copy"};
     if (r.c.flops <= 0) return f;
     const bool level_bound = !r.level.empty() && r.c.level_bound_flops;
     double compute = 0;
@@ -364,7 +409,8 @@ int bench_command(const Options& o) {
                   {"min_ms", r.t.min_ms},
                   {"max_ms", r.t.max_ms},
                   {"gbps", gbps(r)},
-                  {"pct_of_copy", 100 * gbps(r) / copy},
+                  {"copy_gbps", r.copy_gbps},
+                  {"pct_of_copy", 100 * gbps(r) / r.copy_gbps},
                   {"speedup_vs_reference", reference_ms(r) / r.t.median_ms},
                   {"floor_ms", floor_ms(r)},
                   {"floor_source", floor_of(r).source},
@@ -403,7 +449,15 @@ int bench_command(const Options& o) {
         "that level, set ATEN_CPU_CAPABILITY too (avx2, or default for baseline; docs/performance.md, "
         "\"Emulating another CPU\")\n",
         torch_level.c_str(), levels.front().c_str());
-  std::printf("limits: copy bandwidth %.1f GB/s (read + write)", copy);
+  double case_min = copy, case_max = copy;
+  for (const Row& r : rows) {
+    case_min = std::min(case_min, r.copy_gbps);
+    case_max = std::max(case_max, r.copy_gbps);
+  }
+  std::printf(
+      "limits: copy bandwidth %.1f GB/s (read + write; %.1f..%.1f measured among the cases' own "
+      "repetitions, each row's floor from its case's)",
+      copy, case_min, case_max);
   for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
   std::printf("; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians\n\n",
               at::get_num_threads(), o.warmup, o.reps);
@@ -413,7 +467,7 @@ int bench_command(const Options& o) {
   for (const Row& r : rows)
     t.rows.push_back({r.c.op, r.c.pass, r.c.dtype, r.c.shape, r.impl, r.level.empty() ? "-" : r.level,
                       fixed(r.t.median_ms, 3), fixed(r.t.min_ms, 2) + ".." + fixed(r.t.max_ms, 2),
-                      fixed(gbps(r), 1), fixed(100 * gbps(r) / copy, 1) + "%",
+                      fixed(gbps(r), 1), fixed(100 * gbps(r) / r.copy_gbps, 1) + "%",
                       r.c.flops > 0 ? fixed(gflops(r), 1) : "-", fixed(floor_ms(r), 2), floor_of(r).source,
                       fixed(r.t.median_ms / floor_ms(r), 2) + "x",
                       fixed(reference_ms(r) / r.t.median_ms, 2) + "x", fixed(r.t.peak_bytes / 1e6, 1)});

@@ -70,7 +70,11 @@ def test_bench_json_document(run_cli):
         assert r["median_ms"] > 0 and r["gbps"] > 0 and r["floor_ms"] > 0 and "gflops" not in r
         assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
         assert r["floor_source"] == "copy" and r["flops"] == 0
-        assert r["floor_ms"] == pytest.approx(r["bytes"] / (machine["copy_gbps"] * 1e6))
+        # The copy floor from the bandwidth measured among the case's own repetitions (one per case).
+        assert r["copy_gbps"] > 0 and r["floor_ms"] == pytest.approx(r["bytes"] / (r["copy_gbps"] * 1e6))
+        assert r["pct_of_copy"] == pytest.approx(100 * r["gbps"] / r["copy_gbps"])
+    for p in ("fwd", "fwd+bwd"):
+        assert len({r["copy_gbps"] for r in rows if r["pass"] == p}) == 1
         assert r["level"] == (machine["cpu_level"] if r["impl"] == "kernmap" else None)
         if r["impl"] == "reference":
             assert r["speedup_vs_reference"] == 1
@@ -119,7 +123,7 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
                   "--impl", "/fwd/(kernmap|dense)$", "--levels", ",".join(wanted), "--warmup", "0", "--reps", "1")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    dense, copy = doc["machine"]["dense_gflops"], doc["machine"]["copy_gbps"]
+    dense = doc["machine"]["dense_gflops"]
     assert set(dense) == {"float32", "bfloat16"} and min(dense.values()) > 0
     rows = doc["results"]
     assert sorted(r["level"] or "" for r in rows) == sorted(["", *wanted])
@@ -128,7 +132,7 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
         if r["level"] in ("avx512bf16", "amx", None):  # bf16 products, or the dense row (not kernmap's)
             rates["gemm bf16"] = dense["bfloat16"]
         source, rate = max(rates.items(), key=lambda kv: kv[1])
-        compute, memory = r["flops"] / (rate * 1e6), r["bytes"] / (copy * 1e6)
+        compute, memory = r["flops"] / (rate * 1e6), r["bytes"] / (r["copy_gbps"] * 1e6)
         assert r["flops"] > 0 and r["floor_source"] == (source if compute > memory else "copy"), r
         assert r["floor_ms"] == pytest.approx(max(compute, memory))
         assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
