@@ -1,7 +1,7 @@
 // The cross-entropy rows of the fused linear cross-entropy, compiled once per instruction-set level: the
 // log-sum-exp of each row of a chunk of logits, the loss at the row's label and, when asked, the softmax
 // gradient written over the logits; and the same log-sum-exp by blocks of classes, for the loss alone
-// (linear_cross_entropy without gradients multiplies the weight by blocks of rows).
+// (linear_cross_entropy without gradients takes the weight's rows a block at a time).
 #include <algorithm>
 #include <limits>
 
@@ -61,13 +61,15 @@ inline V max_block(V a, V b) {
   return b > a ? b : a;
 }
 
+// Independent accumulators of the row passes: the max and the sum are latency-bound otherwise.
+constexpr int64_t kUnroll = 4;
+
 // The maximum of z[0, V) in Acc, NaN if any value is NaN (a NaN never wins a comparison, so it is looked for
 // apart).
 template <class T>
 Acc<T> row_max(const T* zr, int64_t V) {
   using A = Acc<T>;
   using W = Vec<A>;
-  constexpr int64_t kUnroll = 4;  // independent accumulators: the max and the sum are latency-bound otherwise
   const int64_t Vb = V - V % kBlock;
   const int64_t Vu = V - V % (kBlock * kUnroll);
   W mx[kUnroll], bad{};
@@ -101,7 +103,6 @@ template <class T>
 Acc<T> row_sum_exp(const T* zr, int64_t V, Acc<T> m) {
   using A = Acc<T>;
   using W = Vec<A>;
-  constexpr int64_t kUnroll = 4;
   const int64_t Vb = V - V % kBlock;
   const int64_t Vu = V - V % (kBlock * kUnroll);
   W sum[kUnroll] = {};
