@@ -240,13 +240,18 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
     const at::Tensor row_loss = loss_by_vocab_blocks(hidden, weight, bias, t, acc_t);
     return {sum_over_rows(row_loss, denominator, hidden, acc_t), {}, {}, {}};
   }
+  // The fp32 route (products_in_fp32): the three products' results rounded to bf16 where the bf16 product's
+  // would be (the logits; the hidden gradient), the weight gradient summed over the chunks in fp32 and
+  // rounded once. Costs fp32 copies of the weight and of its gradient (docs/ops.md, "Fused linear
+  // cross-entropy").
+  const bool in_fp32 = products_in_fp32(hidden);
   at::Tensor gh = want_gh ? at::zeros({N, H}, hidden.options()) : at::Tensor();
   // The weight gradient and the chunk buffer come from the large-block cache (ops/memory.h): a training step
   // asks for the same sizes again, and fresh memory costs a page fault per 4 KiB (docs/performance.md,
-  // "Large-block cache and huge pages").
-  at::Tensor gw = want_gw ? empty_large({V, H}, weight.options()) : at::Tensor();
+  // "Large-block cache and huge pages"). In the fp32 route the weight gradient is made after the loop.
+  at::Tensor gw = want_gw && !in_fp32 ? empty_large({V, H}, weight.options()) : at::Tensor();
   at::Tensor gb_acc = want_gb ? at::zeros({V}, hidden.options().dtype(acc_t)) : at::Tensor();
-  if (want_gw && n == 0) gw.zero_();
+  if (want_gw && !in_fp32 && n == 0) gw.zero_();
   at::Tensor row_loss = at::empty({n}, hidden.options().dtype(acc_t));
 
   const int64_t C = std::min(chunk_rows(V, hidden.element_size(), true), n);
@@ -254,13 +259,8 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
   const at::Tensor rows = at::from_blob(const_cast<int64_t*>(t.row.data()), {n}, at::kLong);
   const auto& k = cpu::kernel_table();
   const cpu::DType dt = cpu_dtype(hidden.scalar_type());
-  // The fp32 route (products_in_fp32): the three products' results rounded to bf16 where the bf16 product's
-  // would be (the logits; the hidden gradient), the weight gradient summed over the chunks in fp32 and
-  // rounded once. Costs fp32 copies of the weight and of its gradient (docs/ops.md, "Fused linear
-  // cross-entropy").
-  const bool in_fp32 = products_in_fp32(hidden);
-  const at::Tensor w = in_fp32 ? weight.to(at::kFloat) : weight;
-  const at::Tensor wt = w.t();
+  at::Tensor w = in_fp32 ? weight.to(at::kFloat) : weight;
+  at::Tensor wt = w.t();
   const at::Tensor b = bias && in_fp32 ? bias->to(at::kFloat) : bias ? *bias : at::Tensor();
   at::Tensor gw_acc = want_gw && in_fp32 ? at::empty({V, H}, w.options()) : gw;
   at::Tensor z32_buf = in_fp32 ? at::empty({C, V}, w.options()) : at::Tensor();
@@ -302,7 +302,18 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
     }
     if (want_gb) gb_acc.add_(z.sum(0, /*keepdim=*/false, acc_t));
   }
-  if (want_gw && in_fp32 && n > 0) gw.copy_(gw_acc);
+  if (want_gw && in_fp32) {
+    // The fp32 weight and logits go first: the route's peak is then the loop's (the fp32 weight, its fp32
+    // gradient and the chunk buffers), not that and the bf16 gradient (bf16 fwd+bwd at N2048 H896 V151936:
+    // 1603 MB before).
+    w = wt = z32_buf = at::Tensor();
+    gw = empty_large({V, H}, weight.options());
+    if (n > 0) {
+      gw.copy_(gw_acc);
+    } else {
+      gw.zero_();
+    }
+  }
   const at::Tensor loss = sum_over_rows(row_loss, denominator, hidden, acc_t);
   at::Tensor gb = want_gb ? gb_acc.to(hidden.scalar_type()) : at::Tensor();
   return {loss, gh, gw, gb};
