@@ -167,7 +167,7 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
       peak[i] = std::max(peak[i], static_cast<double>(cpu_memory().peak - before));
       if (r >= warmup) ms[i].push_back(t1 - t0);
     }
-    if (r >= o.warmup) extra_ms += now_ms() - round_start;
+    if (r >= o.warmup && r < warmup) extra_ms += now_ms() - round_start;  // an extra warm-up round
     if (r == warmup - 1 && faulted && warmup < o.warmup + kMaxExtraRounds && extra_ms < kMaxExtraMs) ++warmup;
   }
   std::vector<Timing> out;

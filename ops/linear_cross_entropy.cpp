@@ -134,6 +134,25 @@ bool products_in_fp32(const at::Tensor& hidden) {
   return hidden.scalar_type() == at::kBFloat16 && !cpu::bf16_gemm_native();
 }
 
+// Counted rows [r0, r0 + c) of hidden (rows: the counted rows' indices): read in place when they are one run
+// of consecutive rows, else gathered; widened to fp32 for the fp32 route.
+struct RowChunk {
+  bool run;
+  at::Tensor idx, h;
+};
+RowChunk rows_of(const at::Tensor& hidden, const Targets& t, const at::Tensor& rows, int64_t r0, int64_t c,
+                 bool in_fp32) {
+  const bool run = t.row[r0 + c - 1] - t.row[r0] == c - 1;
+  const at::Tensor idx = rows.narrow(0, r0, c);
+  const at::Tensor h = run ? hidden.narrow(0, t.row[r0], c) : hidden.index_select(0, idx);
+  return {run, idx, in_fp32 ? h.to(at::kFloat) : h};
+}
+
+// The bias as the products take it: fp32 in the fp32 route, undefined where there is none.
+at::Tensor product_bias(const at::Tensor* bias, bool in_fp32) {
+  return !bias ? at::Tensor() : in_fp32 ? bias->to(at::kFloat) : *bias;
+}
+
 // The loss of each counted row without gradients (evaluation): the logits by blocks of classes against
 // passes of counted rows, each block's log-sum-exp folded into a running one per row (cross_entropy_block)
 // while the block is still in the cache its product wrote it to; the weight (and in the fp32 route its fp32
@@ -157,17 +176,14 @@ at::Tensor loss_by_vocab_blocks(const at::Tensor& hidden, const at::Tensor& weig
   at::Tensor zp_buf = at::empty({R * B}, prod);
   at::Tensor z_buf = in_fp32 ? at::empty({R * B}, hidden.options()) : zp_buf;
   at::Tensor w_buf = in_fp32 ? at::empty({B, H}, prod) : at::Tensor();
-  const at::Tensor b = bias && in_fp32 ? bias->to(at::kFloat) : bias ? *bias : at::Tensor();
+  const at::Tensor b = product_bias(bias, in_fp32);
   const at::Tensor rows = at::from_blob(const_cast<int64_t*>(t.row.data()), {n}, at::kLong);
   const auto& k = cpu::kernel_table();
   const cpu::DType dt = cpu_dtype(hidden.scalar_type());
   const int64_t es = at::elementSize(acc_t);
   for (int64_t r0 = 0; r0 < n; r0 += R) {
     const int64_t c = std::min(R, n - r0);
-    const bool run = t.row[r0 + c - 1] - t.row[r0] == c - 1;
-    const at::Tensor hc_in =
-        run ? hidden.narrow(0, t.row[r0], c) : hidden.index_select(0, rows.narrow(0, r0, c));
-    const at::Tensor hc = in_fp32 ? hc_in.to(at::kFloat) : hc_in;
+    const at::Tensor hc = rows_of(hidden, t, rows, r0, c, in_fp32).h;
     for (int64_t v0 = 0; v0 < V; v0 += B) {
       const int64_t cols = std::min(B, V - v0);
       at::Tensor wb = weight.narrow(0, v0, cols);
@@ -261,16 +277,12 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
   const cpu::DType dt = cpu_dtype(hidden.scalar_type());
   at::Tensor w = in_fp32 ? weight.to(at::kFloat) : weight;
   at::Tensor wt = w.t();
-  const at::Tensor b = bias && in_fp32 ? bias->to(at::kFloat) : bias ? *bias : at::Tensor();
+  const at::Tensor b = product_bias(bias, in_fp32);
   at::Tensor gw_acc = want_gw && in_fp32 ? at::empty({V, H}, w.options()) : gw;
   at::Tensor z32_buf = in_fp32 ? at::empty({C, V}, w.options()) : at::Tensor();
   for (int64_t c0 = 0; c0 < n; c0 += C) {
     const int64_t c = std::min(C, n - c0);
-    // Rows of one run of consecutive counted rows are read in place; others are gathered.
-    const bool run = t.row[c0 + c - 1] - t.row[c0] == c - 1;
-    const at::Tensor idx = rows.narrow(0, c0, c);
-    const at::Tensor hc_in = run ? hidden.narrow(0, t.row[c0], c) : hidden.index_select(0, idx);
-    const at::Tensor hc = in_fp32 ? hc_in.to(at::kFloat) : hc_in;
+    const auto [run, idx, hc] = rows_of(hidden, t, rows, c0, c, in_fp32);
     at::Tensor z = z_buf.narrow(0, 0, c);
     at::Tensor zp = in_fp32 ? z32_buf.narrow(0, 0, c) : z;  // the products' output
     if (bias) {
