@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -109,32 +108,6 @@ int64_t usable_l3_bytes() {
 int64_t l2_block_bytes() {
   static const int64_t bytes = (cache_sizes().l2 > 0 ? cache_sizes().l2 : int64_t{1} << 20) / 4;
   return bytes;
-}
-
-namespace {
-
-bool cpu_has_wide_fma() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return true;
-  const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return true;
-  const unsigned base = (eax >> 8) & 0xf, family = base == 0xf ? base + ((eax >> 20) & 0xff) : base;
-  return family != 25;  // Zen 4 (Zen 3, also family 25, has no AVX-512)
-}
-
-// -1: the CPU's answer; 0, 1: set_wide_fma's.
-std::atomic<int> wide_fma_override{-1};
-
-}  // namespace
-
-bool wide_fma() {
-  static const bool cpu = cpu_has_wide_fma();
-  const int forced = wide_fma_override.load(std::memory_order_relaxed);
-  return forced < 0 ? cpu : forced == 1;
-}
-
-void set_wide_fma(std::optional<bool> value) {
-  wide_fma_override.store(value ? (*value ? 1 : 0) : -1, std::memory_order_relaxed);
 }
 
 namespace {

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 
 namespace kernmap::cpu {
@@ -38,13 +37,6 @@ int64_t usable_l3_bytes();
 /// its task sizes (ops/grouped_mm.cpp); docs/performance.md, "gemm_bcast reduction blocks", has the
 /// measurements.
 int64_t l2_block_bytes();
-
-/// Whether a 512-bit FMA runs at twice the rate of a 256-bit one: every AVX-512 core but AMD's Zen 4 (family
-/// 25), which splits each 512-bit operation into two 256-bit halves. Read once from cpuid; the fp32 lanes
-/// form of gemm_nt reads it (docs/performance.md, "gemm_nt lanes form"). set_wide_fma overrides it (tests run
-/// both widths); nullopt goes back to the CPU's answer.
-bool wide_fma();
-void set_wide_fma(std::optional<bool> value);
 
 /// Whether torch's bf16 matrix product (at::mm and friends) runs at least at its fp32 rate: the CPU has bf16
 /// dot products (AVX512-BF16, AMX-BF16) or AVX-NE-CONVERT's widening loads, which oneDNN uses. Elsewhere

@@ -1,13 +1,17 @@
 // Small-M matrix products in "NT" form for the grouped expert products of the forward pass, both operands
 // K-contiguous (nn.Linear layout). Compiled once per instruction-set level.
 //
-// AVX2 and AVX-512 levels: the transposed ("lanes") form. A's rows (a small group, at most 32 per pass with
-// AVX-512's 32 vector registers, 16 with AVX2's 16) are packed once per call into a lane layout, 8 rows per
-// 256-bit register; B's rows are streamed once, front to back, each element broadcast against all the group's
-// rows: accumulators hold C^T[n, 8 rows], fed by one FMA (fp32; bf16 widened a line at a time) or one
-// vdpbf16ps (bf16 pairs, avx512bf16) per B element and 8-row group. Each weight byte is read once from
-// memory, with software prefetch ahead; A stays in cache. Other levels, dtypes and float64: dot products
-// along K in register blocks.
+// AVX-512 levels, fp32 and (below avx512bf16) bf16: the quads form (below): A's rows packed as quads of 4
+// rows x 4 K elements per 512-bit register, B's rows streamed once, 4 elements at a time broadcast against
+// every quad; each row summed in one order whatever the group's size.
+//
+// AVX2, and bf16 pairs at avx512bf16: the transposed ("lanes") form. A's rows (a small group, at most 32 per
+// pass with AVX-512's 32 vector registers, 16 with AVX2's 16) are packed once per call into a lane layout, 8
+// rows per 256-bit register; B's rows are streamed once, front to back, each element broadcast against all
+// the group's rows: accumulators hold C^T[n, 8 rows], fed by one FMA (fp32; bf16 widened a line at a time) or
+// one vdpbf16ps (bf16 pairs) per B element and 8-row group. Each weight byte is read once from memory, with
+// software prefetch ahead; A stays in cache. amx: bf16 on the tiles. Other levels, dtypes and float64: dot
+// products along K in register blocks.
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
@@ -129,13 +133,8 @@ void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, i
 #if defined(__AVX2__)
 // ---- The lanes form -------------------------------------------------------------------------------------
 
-// Lane registers: rows of A per accumulator register. ymm (8 rows) at every level from AVX2: a finer step for
-// uneven groups. zmm (16 rows) for fp32 at the AVX-512 levels where a 512-bit FMA runs at twice a 256-bit
-// one's rate (wide_fma, kernels/cpu/cache.h: not Zen 4, where both widths have the same FLOP rate): at 16
-// rows a group, ymm issues two FMAs per weight element, zmm one (docs/performance.md, "gemm_nt lanes form").
-// Both widths give the same bits: each lane sums its row's products in the same order (the accumulator sets
-// follow the rows of a pass, at most 8 rows two sets, else one; passes are kRows rows at either width; the
-// dot-product tail counts 8-row groups).
+// Lane registers: 8 rows of A per ymm accumulator (the AVX2 level, and bf16 pairs at avx512bf16; the other
+// AVX-512 cases run the quads form below).
 struct Ymm {
   using V = __m256;
   static constexpr int kWidth = 8, kCols = 6;  // kBlockCols below
@@ -146,27 +145,15 @@ struct Ymm {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static void store(float* p, V v) { _mm256_store_ps(p, v); }
 };
-#if defined(__AVX512F__)
-struct Zmm {
-  using V = __m512;
-  static constexpr int kWidth = 16, kCols = 8;  // 8 columns: 8 accumulator chains at 16 rows
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_load_ps(p); }
-  static V bcast(float x) { return _mm512_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static void store(float* p, V v) { _mm512_store_ps(p, v); }
-};
-#endif
 // Rows of A per pass over B: the block's kCols x G accumulators, G vectors of A and one broadcast fit the
 // level's vector registers: ymm 6 x 4 + 5 = 29 of AVX-512's 32 (32 rows), 6 x 2 + 3 = 15 of AVX2's 16 (16
-// rows); zmm 8 x 2 + 3 (32 rows). A larger group makes a second pass, over B rows the first left in L2.
+// rows). A larger group makes a second pass, over B rows the first left in L2.
 #if defined(__AVX512F__)
 constexpr int kRows = 32;
 #else
 constexpr int kRows = 16;
 #endif
-// The rows past the last whole 8-row group that go to the dot-product blocks (kDotRows), at either width.
+// The rows past the last whole 8-row group that go to the dot-product blocks (kDotRows).
 constexpr int kTailLanes = 8;
 // Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
 // block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2.
@@ -250,32 +237,15 @@ __attribute__((always_inline)) inline void lanes_step(const float* P, int64_t k,
   }
 }
 
-// fp32 block: out[j][w g + l] = sum_k P[k][w g + l] * W[j][k].
-//
-// Not inlined: inlined into lanes_rows' many instantiations, GCC 12 kept the zmm accumulators in memory, a
-// store of each one per step (2x slower); the call costs nothing against a block's K steps. The zmm loop
-// with one set is written out (the lambdas of lanes_loop made GCC spill there too): the same order of sums,
-// each B row prefetched kPrefetchBytes ahead.
+#if !defined(__AVX512F__)
+// fp32 block: out[j][8g + l] = sum_k P[k][8g + l] * W[j][k]. Not inlined: inlined into lanes_rows' many
+// instantiations, GCC 12 kept the accumulators in memory, a store of each one per step.
 template <class R, int G, int NB, int S>
 __attribute__((noinline)) void lanes_block(const float* P, const float* W, int64_t ldw, int64_t K,
                                            float* out) {
   using V = typename R::V;
   const float* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
-  if constexpr (S == 1 && R::kWidth == 16) {
-    V acc[NB][G];
-    for (int j = 0; j < NB; ++j)
-      for (int g = 0; g < G; ++g) acc[j][g] = R::zero();
-    for (int64_t k = 0; k < K; ++k) {
-      if (k % 16 == 0)
-        for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(w[j] + k) + kPrefetchBytes, _MM_HINT_T0);
-      lanes_step<R, G, NB>(P, k, acc, [&](int j) { return w[j][k]; });
-    }
-    for (int j = 0; j < NB; ++j)
-      for (int g = 0; g < G; ++g) R::store(out + (j * G + g) * R::kWidth, acc[j][g]);
-    return;
-  }
   auto step = [&](int64_t k, V(&acc)[NB][G]) {
     lanes_step<R, G, NB>(P, k, acc, [&](int j) { return w[j][k]; });
   };
@@ -283,7 +253,6 @@ __attribute__((noinline)) void lanes_block(const float* P, const float* W, int64
       K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step, [](V(&)[NB][G]) {}, out);
 }
 
-#if !defined(__AVX512BF16__)
 // bf16 weights without the dot-product instruction: each line of a B row (16 steps) is widened to fp32 once
 // into a small buffer that stays in L1, and each step broadcasts its element from there as the fp32 block
 // broadcasts from B itself — one widening per 16 elements instead of a shuffle per broadcast (the port the
@@ -512,17 +481,240 @@ void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64
     }
   }
 }
+#if defined(__AVX512F__)
+// ---- The quads form (AVX-512 levels: fp32, and bf16 without the dot-product instruction) ------------------
+//
+// A 512-bit register holds a quad: 4 rows of A by 4 consecutive elements of K, lane 4i + j holding row i's
+// products at k = j (mod 4). A step broadcasts 4 elements of a B row to all four 128-bit parts (one load,
+// vbroadcastf32x4) and multiplies each quad of the pass by them: Q quads x NB B rows of accumulators. At the
+// end each row's 4 lanes are added, (s0 + s1) + (s2 + s3). Against the row lanes (a register of 16 rows
+// against one broadcast element): a group uses registers 4 rows at a time instead of 16 (20 rows cost 5
+// quads, not 2 registers, one of them a quarter full), and an FMA needs (Q + NB) / (Q NB) loads, not 1 +
+// 1/NB. Every row is summed in one order whatever the group's size, pass or register block: a row's result
+// has the same bits as the row alone (docs/performance.md, "gemm_nt quads form").
+constexpr int64_t kQuadRows = 4;
+// At most 6 quads (24 rows) a pass: past it the register block leaves 3 B rows (7 quads) or 2 (8), and
+// reading A's quads that much more often made the pass slower than two (docs/performance.md, "gemm_nt quads
+// form"). A larger group makes more passes, as even as quads allow, over B rows the first left in L2.
+constexpr int kMaxQuads = 6;
+// B rows per block: 8 chains where Q alone gives too few to cover the FMA latency, then as many as the 32
+// registers allow beside Q vectors of A, the broadcast and (bf16) the widening's index and line: 4 x 6 + 8,
+// 6 x 4 + 9 of 32. kQuadCols, a common multiple, is the column block every pass covers before the next.
+constexpr int quad_cols(int Q) {
+  return Q <= 2 ? 8 : Q <= 4 ? 6 : 4;
+}
+constexpr int64_t kQuadCols = 24;
+
+// Rows [0, rows) of A (at most 4Q) as Q quads per step: P[(s Q + q) 16 + 4i + j] = A[4q + i][4s + j], zero
+// past K and past the rows.
+template <class T>
+void pack_quads(const T* A, int64_t lda, int64_t rows, int Q, int64_t K, float* P) {
+  const int64_t steps = (K + kQuadRows - 1) / kQuadRows;
+  std::fill(P, P + steps * Q * 16, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* p = P + r / kQuadRows * 16 + r % kQuadRows * kQuadRows;
+    for (int64_t k = 0; k < K; ++k) p[k / kQuadRows * Q * 16 + k % kQuadRows] = to_float(A[r * lda + k]);
+  }
+}
+
+// One step: every quad of P times each of the NB broadcasts b(j).
+template <int Q, int NB, class B>
+__attribute__((always_inline)) inline void quad_step(const float* P, __m512 (&acc)[NB][Q], B b) {
+  __m512 a[Q];
+  for (int q = 0; q < Q; ++q) a[q] = _mm512_load_ps(P + q * 16);
+  for (int j = 0; j < NB; ++j) {
+    const __m512 bj = b(j);
+    for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_fmadd_ps(a[q], bj, acc[j][q]);
+  }
+}
+
+// out[(j Q + q) 16 + 4i] = row 4q + i's sum against B row j: its four lanes, (s0 + s1) + (s2 + s3). Whole
+// registers stored, in loops GCC unrolls completely (a loop it kept made the accumulators an array in memory,
+// stored every step).
+template <int Q, int NB>
+__attribute__((always_inline)) inline void quad_sums(__m512 (&acc)[NB][Q], float* out) {
+#pragma GCC unroll 64
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q) {
+      __m512 s = _mm512_add_ps(acc[j][q], _mm512_shuffle_ps(acc[j][q], acc[j][q], 0xB1));  // s0+s1, s2+s3
+      s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, 0x4E));                                 // + the other pair
+      _mm512_store_ps(out + (j * Q + q) * 16, s);
+    }
+}
+
+// Prefetch for the quads blocks, once per 64-byte line of the B rows: each row kPrefetchBytes ahead into L1,
+// and the same position of the next block into L2, its rows as one run when they are contiguous (lanes_loop's
+// rule).
+template <int NB, class WT>
+inline void prefetch_line(const WT* const (&w)[NB], int64_t k, int64_t ldw, int64_t K, const char* next) {
+  const bool linear = ldw == K;
+  const int64_t line = k * static_cast<int64_t>(sizeof(WT)) / 64;
+  for (int j = 0; j < NB; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(w[j] + k) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(linear ? next + (line * NB + j) * 64 : reinterpret_cast<const char*>(w[j] + NB * ldw + k),
+                 _MM_HINT_T1);
+  }
+}
+
+// fp32 block: 4 elements of each B row a step, read in place; the last step of an odd K reads only the
+// elements before K (masked: the next row's, or memory past B, never enter a product).
+template <int Q, int NB>
+__attribute__((noinline)) void quad_block(const float* P, const float* W, int64_t ldw, int64_t K,
+                                          float* out) {
+  __m512 acc[NB][Q];
+  for (int j = 0; j < NB; ++j)
+    for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_setzero_ps();
+  const float* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
+  const char* next = reinterpret_cast<const char*>(W + NB * ldw);
+  const int64_t K4 = K - K % kQuadRows;
+  int64_t k = 0;
+  for (; k < K4; k += kQuadRows, P += Q * 16) {
+    if (k % 16 == 0) prefetch_line<NB>(w, k, ldw, K, next);
+    quad_step<Q, NB>(P, acc, [&](int j) { return _mm512_broadcast_f32x4(_mm_loadu_ps(w[j] + k)); });
+  }
+  if (k < K) {
+    const __mmask8 m = static_cast<__mmask8>((1u << (K - k)) - 1);
+    quad_step<Q, NB>(P, acc, [&](int j) { return _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(m, w[j] + k)); });
+  }
+  quad_sums<Q, NB>(acc, out);
+}
+
+// One step from the widened lines: quad_step with row j's 4 elements at b + 16 j.
+template <int Q, int NB>
+__attribute__((always_inline)) inline void quad_step_wide(const float* P, const float* b,
+                                                          __m512 (&acc)[NB][Q]) {
+  __m512 a[Q];
+  for (int q = 0; q < Q; ++q) a[q] = _mm512_load_ps(P + q * 16);
+  for (int j = 0; j < NB; ++j) {
+    const __m512 bj = _mm512_broadcast_f32x4(_mm_load_ps(b + j * 16));
+    for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_fmadd_ps(a[q], bj, acc[j][q]);
+  }
+}
+
+// Elements [k0, k0 + 16) of each B row widened to fp32 into dst[j], zeros past K (a masked load: nothing
+// past a row's end is read).
+template <int NB>
+__attribute__((always_inline)) inline void widen_lines(const BFloat16* const (&w)[NB], int64_t k0, int64_t K,
+                                                       float (&dst)[NB][16]) {
+  const int64_t left = K - k0;
+  const __mmask16 m = left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+  for (int j = 0; j < NB; ++j) _mm512_store_ps(dst[j], widen_bf16(_mm256_maskz_loadu_epi16(m, w[j] + k0)));
+}
+
+// bf16 block: each line of 16 elements of a B row widened to fp32 once into a buffer that stays in L1 (the
+// next line while this one is multiplied), the steps broadcasting from there (the lanes form's widening,
+// above). Written without lambdas over the accumulators: with them GCC 12 kept the accumulators in memory, a
+// store of each one per line.
+template <int Q, int NB>
+__attribute__((noinline)) void quad_block(const float* P, const BFloat16* W, int64_t ldw, int64_t K,
+                                          float* out) {
+  __m512 acc[NB][Q];
+  for (int j = 0; j < NB; ++j)
+    for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_setzero_ps();
+  const BFloat16* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
+  const char* next = reinterpret_cast<const char*>(W + NB * ldw);
+  alignas(64) float wide[2][NB][16];
+  const int64_t K16 = K - K % 16;
+  if (K > 0) widen_lines<NB>(w, 0, K, wide[0]);
+  for (int64_t k0 = 0; k0 < K16; k0 += 16, P += 4 * Q * 16) {
+    const int cur = static_cast<int>(k0 / 16 % 2);
+    if (k0 % 32 == 0) prefetch_line<NB>(w, k0, ldw, K, next);
+    if (k0 + 16 < K) widen_lines<NB>(w, k0 + 16, K, wide[1 - cur]);
+    for (int d = 0; d < 16; d += kQuadRows) quad_step_wide<Q, NB>(P + d * Q * 4, &wide[cur][0][d], acc);
+  }
+  // The last, partial line (widened by the loop's last step, or above).
+  for (int64_t d = 0; d < K - K16; d += kQuadRows, P += Q * 16)
+    quad_step_wide<Q, NB>(P, &wide[K16 / 16 % 2][0][d], acc);
+  quad_sums<Q, NB>(acc, out);
+}
+
+// `cols` columns of C for the pass's rows, in blocks of quad_cols(Q) B rows, then 4, 2, 1.
+template <int Q, class WT, class T>
+void quad_rows(const float* P, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols, T* C,
+               int64_t ldc) {
+  alignas(64) float out[8 * Q * 16];
+  int64_t n = 0;
+  auto run = [&](auto nb) {
+    constexpr int NB = decltype(nb)::value;
+    if constexpr (NB <= quad_cols(Q)) {
+      for (; n + NB <= cols; n += NB) {
+        quad_block<Q, NB>(P, W + n * ldw, ldw, K, out);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < NB; ++j)
+            C[r * ldc + n + j] = from_acc<T>(out[(j * Q + r / 4) * 16 + r % 4 * 4]);
+      }
+    }
+  };
+  run(std::integral_constant<int, quad_cols(Q)>{});
+  run(std::integral_constant<int, 4>{});
+  run(std::integral_constant<int, 2>{});
+  run(std::integral_constant<int, 1>{});
+}
+
+template <class WT, class T>
+void quad_rows_any(int Q, const float* P, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols,
+                   T* C, int64_t ldc) {
+  switch (Q) {
+    case 1:
+      return quad_rows<1>(P, W, ldw, K, rows, cols, C, ldc);
+    case 2:
+      return quad_rows<2>(P, W, ldw, K, rows, cols, C, ldc);
+    case 3:
+      return quad_rows<3>(P, W, ldw, K, rows, cols, C, ldc);
+    case 4:
+      return quad_rows<4>(P, W, ldw, K, rows, cols, C, ldc);
+    case 5:
+      return quad_rows<5>(P, W, ldw, K, rows, cols, C, ldc);
+    default:
+      return quad_rows<6>(P, W, ldw, K, rows, cols, C, ldc);
+  }
+}
+
+// C = A B^T through the quads form, B read in place.
+template <class T>
+void quad_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
+               int64_t K) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t quads = (M + kQuadRows - 1) / kQuadRows, passes = (quads + kMaxQuads - 1) / kMaxQuads;
+  const int64_t steps = (K + kQuadRows - 1) / kQuadRows;
+  // Pass p: quads / passes quads, one more for the first quads % passes; packed one after another.
+  std::vector<int64_t> row0(passes + 1, 0);
+  for (int64_t p = 0; p < passes; ++p)
+    row0[p + 1] = std::min(M, row0[p] + kQuadRows * (quads / passes + (p < quads % passes ? 1 : 0)));
+  auto* packed = static_cast<float*>(scratch<0>(std::max<int64_t>(1, quads * steps * 16) * sizeof(float)));
+  auto quads_of = [&](int64_t p) {
+    return static_cast<int>((row0[p + 1] - row0[p] + kQuadRows - 1) / kQuadRows);
+  };
+  auto packed_of = [&](int64_t p) { return packed + row0[p] / kQuadRows * steps * 16; };
+  for (int64_t p = 0; p < passes; ++p)
+    pack_quads(A + row0[p] * lda, lda, row0[p + 1] - row0[p], quads_of(p), K, packed_of(p));
+  for (int64_t n0 = 0; n0 < N; n0 += kQuadCols) {
+    const int64_t cols = std::min<int64_t>(kQuadCols, N - n0);
+    for (int64_t p = 0; p < passes; ++p)
+      quad_rows_any(quads_of(p), packed_of(p), B + n0 * ldb, ldb, K, row0[p + 1] - row0[p], cols,
+                    C + row0[p] * ldc + n0, ldc);
+  }
+}
+#endif
+
+// C = A B^T, fp32 or bf16: the quads form at the AVX-512 levels, except bf16 with vdpbf16ps (avx512bf16: its
+// pairs in ymm lanes); the lanes form at avx2.
 template <class T>
 void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
                 int64_t K) {
-#if defined(__AVX512F__) && !defined(__AVX512BF16__)
-  if (wide_fma()) return lanes_gemm_in<Zmm>(A, lda, B, ldb, C, ldc, M, N, K);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, BFloat16>)
+    return lanes_gemm_in<Ymm>(A, lda, B, ldb, C, ldc, M, N, K);
+  else
+    return quad_gemm<T>(A, lda, B, ldb, C, ldc, M, N, K);
 #elif defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (wide_fma()) return lanes_gemm_in<Zmm>(A, lda, B, ldb, C, ldc, M, N, K);
-  }
-#endif
+  quad_gemm<T>(A, lda, B, ldb, C, ldc, M, N, K);
+#else
   lanes_gemm_in<Ymm>(A, lda, B, ldb, C, ldc, M, N, K);
+#endif
 }
 #endif
 

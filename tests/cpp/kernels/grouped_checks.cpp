@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/cache.h"
 #include "kernels/cpu/isa.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
@@ -85,24 +84,35 @@ void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c) {
   EXPECT_TRUE(at::equal(bad, expected)) << bad.nonzero();
 }
 
-// gemm_nt's fp32 lanes form gives the same bits in ymm and zmm lanes (the width follows the CPU, see
-// kernels/cpu/cache.h, wide_fma), over row counts around every group, pass and dot-product-tail boundary.
-void gemm_nt_same_bits_at_either_lane_width(const Case& c) {
+// gemm_nt's quads form (the AVX-512 levels: fp32, and bf16 below avx512bf16) sums each row in one order
+// whatever the group's size, its pass or its register block: every row of an M-row product has the bits of
+// the same row computed alone. M runs around every quad, pass and block boundary; N leaves every column-block
+// remainder. At every level, each product is also checked against at::mm.
+void gemm_nt_row_bits_independent_of_group_size(const Case& c) {
+  using kernmap::cpu::Level;
   const auto& kern = kernmap::cpu::kernel_table();
+  const Level level = kernmap::cpu::active_level();
+  const bool quads = level >= Level::kAvx512 && (c.dtype == at::kFloat || level == Level::kAvx512);
   const int64_t K = c["K"], N = c["N"];
-  for (int64_t M : {1, 3, 7, 8, 9, 11, 15, 16, 17, 20, 24, 27, 31, 32, 33, 40, 48, 63, 70}) {
-    const at::Tensor a = randn({M, K}, c.dtype), b = randn({N, K}, c.dtype);
-    std::vector<at::Tensor> out;
-    for (bool wide : {false, true}) {
-      kernmap::cpu::set_wide_fma(wide);
-      at::Tensor y = at::empty({M, N}, c.dtype);
-      kern.gemm_nt(kernmap::ops::cpu_dtype(c.dtype), M, N, K, a.const_data_ptr(), K, b.const_data_ptr(), K,
-                   y.data_ptr(), N);
-      out.push_back(y);
-    }
-    kernmap::cpu::set_wide_fma(std::nullopt);
-    EXPECT_TRUE(at::equal(out[0], out[1])) << "M = " << M;
-    EXPECT_TRUE(at::allclose(out[0], at::mm(a, b.t()), 1e-4, 1e-4)) << "M = " << M;
+  const auto dt = kernmap::ops::cpu_dtype(c.dtype);
+  const at::Tensor a = randn({70, K}, c.dtype), b = randn({N, K}, c.dtype);
+  auto product = [&](const at::Tensor& rows) {
+    at::Tensor y = at::empty({rows.size(0), N}, c.dtype);
+    kern.gemm_nt(dt, rows.size(0), N, K, rows.const_data_ptr(), K, b.const_data_ptr(), K, y.data_ptr(), N);
+    return y;
+  };
+  std::vector<at::Tensor> alone;
+  for (int64_t r = 0; r < a.size(0); ++r) alone.push_back(product(a.slice(0, r, r + 1)));
+  const double tol = c.dtype == at::kFloat ? 1e-4 : 2e-2;
+  for (int64_t M :
+       {1, 3, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 27, 28, 31, 32, 33, 40, 48, 49, 63, 70}) {
+    const at::Tensor y = product(a.slice(0, 0, M));
+    EXPECT_TRUE(at::allclose(y.to(at::kFloat), at::mm(a.slice(0, 0, M).to(at::kFloat), b.to(at::kFloat).t()),
+                             tol, tol))
+        << "M = " << M;
+    if (!quads) continue;
+    for (int64_t r = 0; r < M; ++r)
+      ASSERT_TRUE(at::equal(y.slice(0, r, r + 1), alone[r])) << "M = " << M << ", row " << r;
   }
 }
 

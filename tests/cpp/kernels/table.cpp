@@ -303,12 +303,12 @@ const std::vector<Row>& kernel_table() {
        .shapes = {{.sizes = {{"K", 301}, {"N", 250}}, .groups = {9, 0, 17, 33, 1, 40, 22}}},
        .layouts = {""},
        .check = grouped_mm_same_bits_at_any_thread_count},
-      // fp32 lanes in ymm and zmm: the same bits (at every level: below AVX-512 both calls run ymm).
-      {.op = "gemm_nt_lane_width",
+      // The quads form: a row's bits whatever the group's size (fp32, bf16; K odd and past a line).
+      {.op = "gemm_nt_row_bits",
        .shapes = grid({{"K", {77, 301}}, {"N", {53}}}),
        .layouts = {""},
-       .check = gemm_nt_same_bits_at_either_lane_width,
-       .dtypes = {at::kFloat}},
+       .check = gemm_nt_row_bits_independent_of_group_size,
+       .dtypes = {at::kFloat, at::kBFloat16}},
       // Group sizes around every block and the bf16 BLAS threshold (64 rows), an empty group.
       {.op = "grouped_mm_backward",
        .shapes = {{.sizes = {{"K", 70}, {"N", 131}}, .groups = {0, 1, 2, 15, 16, 17, 63, 64, 200}}},
