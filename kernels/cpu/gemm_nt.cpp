@@ -499,11 +499,10 @@ constexpr int64_t kQuadRows = 4;
 constexpr int kMaxQuads = 6;
 // B rows per block: 8 chains where Q alone gives too few to cover the FMA latency, then as many as the 32
 // registers allow beside Q vectors of A, the broadcast and (bf16) the widening's index and line: 4 x 6 + 8,
-// 6 x 4 + 9 of 32. kQuadCols, a common multiple, is the column block every pass covers before the next.
+// 6 x 4 + 9 of 32.
 constexpr int quad_cols(int Q) {
   return Q <= 2 ? 8 : Q <= 4 ? 6 : 4;
 }
-constexpr int64_t kQuadCols = 24;
 
 // Rows [0, rows) of A (at most 4Q) as Q quads per step: P[(s Q + q) 16 + 4i + j] = A[4q + i][4s + j], zero
 // past K and past the rows.
@@ -691,8 +690,14 @@ void quad_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t l
   auto packed_of = [&](int64_t p) { return packed + row0[p] / kQuadRows * steps * 16; };
   for (int64_t p = 0; p < passes; ++p)
     pack_quads(A + row0[p] * lda, lda, row0[p + 1] - row0[p], quads_of(p), K, packed_of(p));
-  for (int64_t n0 = 0; n0 < N; n0 += kQuadCols) {
-    const int64_t cols = std::min<int64_t>(kQuadCols, N - n0);
+  // More than one pass: each block of B rows (the narrowest of the passes' blocks) is taken by every pass in
+  // turn, the later passes reading it from L1. (Groups of 25-32 rows still run slower than the row lanes'
+  // single pass did: docs/performance.md, "gemm_nt quads form".)
+  int64_t step = N;
+  if (passes > 1)
+    for (int64_t p = 0; p < passes; ++p) step = std::min<int64_t>(step, quad_cols(quads_of(p)));
+  for (int64_t n0 = 0; n0 < N; n0 += step) {
+    const int64_t cols = std::min<int64_t>(step, N - n0);
     for (int64_t p = 0; p < passes; ++p)
       quad_rows_any(quads_of(p), packed_of(p), B + n0 * ldb, ldb, K, row0[p + 1] - row0[p], cols,
                     C + row0[p] * ldc + n0, ldc);
