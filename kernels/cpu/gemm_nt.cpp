@@ -546,7 +546,8 @@ __attribute__((always_inline)) inline void quad_sums(__m512 (&acc)[NB][Q], float
 // and the same position of the next block into L2, its rows as one run when they are contiguous (lanes_loop's
 // rule).
 template <int NB, class WT>
-inline void prefetch_line(const WT* const (&w)[NB], int64_t k, int64_t ldw, int64_t K, const char* next) {
+__attribute__((always_inline)) inline void prefetch_line(WT* const* w, int64_t k, int64_t ldw, int64_t K,
+                                                         const char* next) {
   const bool linear = ldw == K;
   const int64_t line = k * static_cast<int64_t>(sizeof(WT)) / 64;
   for (int j = 0; j < NB; ++j) {
@@ -598,8 +599,12 @@ template <int NB>
 __attribute__((always_inline)) inline void widen_lines(const BFloat16* const (&w)[NB], int64_t k0, int64_t K,
                                                        float (&dst)[NB][16]) {
   const int64_t left = K - k0;
-  const __mmask16 m = left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-  for (int j = 0; j < NB; ++j) _mm512_store_ps(dst[j], widen_bf16(_mm256_maskz_loadu_epi16(m, w[j] + k0)));
+  if (left >= 16) {
+    for (int j = 0; j < NB; ++j) _mm512_store_ps(dst[j], load_native(w[j] + k0));
+  } else {
+    const __mmask16 m = static_cast<__mmask16>((1u << left) - 1);
+    for (int j = 0; j < NB; ++j) _mm512_store_ps(dst[j], widen_bf16(_mm256_maskz_loadu_epi16(m, w[j] + k0)));
+  }
 }
 
 // bf16 block: each line of 16 elements of a B row widened to fp32 once into a buffer that stays in L1 (the
