@@ -581,22 +581,10 @@ __attribute__((noinline)) void quad_block(const float* P, const float* W, int64_
   quad_sums<Q, NB>(acc, out);
 }
 
-// One step from the widened lines: quad_step with row j's 4 elements at b + 16 j.
-template <int Q, int NB>
-__attribute__((always_inline)) inline void quad_step_wide(const float* P, const float* b,
-                                                          __m512 (&acc)[NB][Q]) {
-  __m512 a[Q];
-  for (int q = 0; q < Q; ++q) a[q] = _mm512_load_ps(P + q * 16);
-  for (int j = 0; j < NB; ++j) {
-    const __m512 bj = _mm512_broadcast_f32x4(_mm_load_ps(b + j * 16));
-    for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_fmadd_ps(a[q], bj, acc[j][q]);
-  }
-}
-
 // Elements [k0, k0 + 16) of each B row widened to fp32 into dst[j], zeros past K (a masked load: nothing
 // past a row's end is read).
 template <int NB>
-__attribute__((always_inline)) inline void widen_lines(const BFloat16* const (&w)[NB], int64_t k0, int64_t K,
+__attribute__((always_inline)) inline void widen_lines(const BFloat16* const* w, int64_t k0, int64_t K,
                                                        float (&dst)[NB][16]) {
   const int64_t left = K - k0;
   if (left >= 16) {
@@ -609,8 +597,7 @@ __attribute__((always_inline)) inline void widen_lines(const BFloat16* const (&w
 
 // bf16 block: each line of 16 elements of a B row widened to fp32 once into a buffer that stays in L1 (the
 // next line while this one is multiplied), the steps broadcasting from there (the lanes form's widening,
-// above). Written without lambdas over the accumulators: with them GCC 12 kept the accumulators in memory, a
-// store of each one per line.
+// above).
 template <int Q, int NB>
 __attribute__((noinline)) void quad_block(const float* P, const BFloat16* W, int64_t ldw, int64_t K,
                                           float* out) {
@@ -627,11 +614,14 @@ __attribute__((noinline)) void quad_block(const float* P, const BFloat16* W, int
     const int cur = static_cast<int>(k0 / 16 % 2);
     if (k0 % 32 == 0) prefetch_line<NB>(w, k0, ldw, K, next);
     if (k0 + 16 < K) widen_lines<NB>(w, k0 + 16, K, wide[1 - cur]);
-    for (int d = 0; d < 16; d += kQuadRows) quad_step_wide<Q, NB>(P + d * Q * 4, &wide[cur][0][d], acc);
+    for (int d = 0; d < 16; d += kQuadRows)
+      quad_step<Q, NB>(P + d * Q * 4, acc,
+                       [&](int j) { return _mm512_broadcast_f32x4(_mm_load_ps(&wide[cur][j][d])); });
   }
   // The last, partial line (widened by the loop's last step, or above).
   for (int64_t d = 0; d < K - K16; d += kQuadRows, P += Q * 16)
-    quad_step_wide<Q, NB>(P, &wide[K16 / 16 % 2][0][d], acc);
+    quad_step<Q, NB>(P, acc,
+                     [&](int j) { return _mm512_broadcast_f32x4(_mm_load_ps(&wide[K16 / 16 % 2][j][d])); });
   quad_sums<Q, NB>(acc, out);
 }
 
