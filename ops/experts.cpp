@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <vector>
 
 #include "kernels/cpu/isa.h"
@@ -205,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_c
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& topk_weights,
     const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs,
-    const at::Tensor& h1, const at::Tensor& h2) {
+    const at::Tensor& h1, const at::Tensor& h2, std::array<bool, 4> output_mask) {
   const int64_t T = hidden.size(0), k = topk_weights.size(1);
   TORCH_CHECK(grad.dim() == 2 && grad.size(0) == T && grad.size(1) == hidden.size(1),
               "kernmap.experts: grad must have the shape of hidden ", hidden.sizes(), ", got ", grad.sizes());
@@ -222,21 +223,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   // Sentinel pairs' weights get a zero gradient, as in eager, where they take no part.
   auto [d_h2, dw_sorted] = combine_backward(grad, h2, w, order, k);
   dw_sorted.narrow(0, R, dw_sorted.size(0) - R).zero_();
-  at::Tensor d_topk = at::empty({T * k}, topk_weights.options());
-  d_topk.index_copy_(0, order, dw_sorted);
-  const at::Tensor act = kernmap::swiglu(h1);
+  // Only the gradients output_mask asks for (hidden, topk_weights, gate_up_proj, down_proj), and only the
+  // products they need: frozen expert weights skip both weight-gradient products.
+  const bool want_hidden = output_mask[0], want_gate_up = output_mask[2], want_down = output_mask[3];
+  at::Tensor d_topk;
+  if (output_mask[1]) {
+    d_topk = at::empty({T * k}, topk_weights.options());
+    d_topk.index_copy_(0, order, dw_sorted);
+    d_topk = d_topk.view(topk_weights.sizes());
+  }
   const at::Tensor d_h2_routed = d_h2.narrow(0, 0, R);
-  const at::Tensor d_act = grouped_rows(d_h2_routed, down, offs, T * k);                      // [S, I]
-  const at::Tensor d_down = grouped_weight_grad_cpu(d_h2_routed, act.narrow(0, 0, R), offs);  // [E, H, I]
-  static auto swiglu_bwd =
-      op_handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kernmap::swiglu_backward");
-  const at::Tensor d_h1 = swiglu_bwd.call(d_act, h1);  // [S, 2I]
-  const at::Tensor d_h1_routed = d_h1.narrow(0, 0, R);
-  const at::Tensor d_a = grouped_rows(d_h1_routed, gate_up, offs, T * k);  // [S, H]
-  const at::Tensor a = gather_rows(hidden, order.narrow(0, 0, R).div(k, "floor"));
-  const at::Tensor d_gate_up = grouped_weight_grad_cpu(d_h1_routed, a, offs);  // [E, 2I, H]
-  const at::Tensor d_hidden = combine(d_a, pos, T, k, hidden.scalar_type());
-  return {d_hidden, d_topk.view(topk_weights.sizes()), d_gate_up, d_down};
+  at::Tensor d_down, d_gate_up, d_hidden;
+  if (want_down) {
+    const at::Tensor act = kernmap::swiglu(h1);
+    d_down = grouped_weight_grad_cpu(d_h2_routed, act.narrow(0, 0, R), offs);  // [E, H, I]
+  }
+  if (want_hidden || want_gate_up) {
+    const at::Tensor d_act = grouped_rows(d_h2_routed, down, offs, T * k);  // [S, I]
+    static auto swiglu_bwd =
+        op_handle<at::Tensor(const at::Tensor&, const at::Tensor&)>("kernmap::swiglu_backward");
+    const at::Tensor d_h1 = swiglu_bwd.call(d_act, h1);  // [S, 2I]
+    const at::Tensor d_h1_routed = d_h1.narrow(0, 0, R);
+    if (want_hidden) {
+      const at::Tensor d_a = grouped_rows(d_h1_routed, gate_up, offs, T * k);  // [S, H]
+      d_hidden = combine(d_a, pos, T, k, hidden.scalar_type());
+    }
+    if (want_gate_up) {
+      const at::Tensor a = gather_rows(hidden, order.narrow(0, 0, R).div(k, "floor"));
+      d_gate_up = grouped_weight_grad_cpu(d_h1_routed, a, offs);  // [E, 2I, H]
+    }
+  }
+  return {d_hidden, d_topk, d_gate_up, d_down};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(
@@ -252,10 +269,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_m
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_meta(
     const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& topk_weights,
     const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& order, const at::Tensor& offs,
-    const at::Tensor& h1, const at::Tensor& h2) {
-  return {at::empty(hidden.sizes(), hidden.options()),
-          at::empty(topk_weights.sizes(), topk_weights.options()),
-          at::empty(gate_up.sizes(), gate_up.options()), at::empty(down.sizes(), down.options())};
+    const at::Tensor& h1, const at::Tensor& h2, std::array<bool, 4> output_mask) {
+  auto like = [](bool want, const at::Tensor& t) {
+    return want ? at::empty(t.sizes(), t.options()) : at::Tensor();
+  };
+  return {like(output_mask[0], hidden), like(output_mask[1], topk_weights), like(output_mask[2], gate_up),
+          like(output_mask[3], down)};
 }
 
 at::Tensor experts_cpu(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
@@ -287,9 +306,11 @@ class ExpertsFunction : public torch::autograd::Function<ExpertsFunction> {
     static auto op =
         op_handle<Tensors4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&)>("kernmap::experts_backward");
+                           const at::Tensor&, std::array<bool, 4>)>("kernmap::experts_backward");
     const auto v = ctx->get_saved_variables();
-    auto [dh, dw, dgu, dd] = op.call(grads[0], v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+    auto [dh, dw, dgu, dd] = op.call(grads[0], v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],
+                                     {ctx->needs_input_grad(0), ctx->needs_input_grad(2),
+                                      ctx->needs_input_grad(3), ctx->needs_input_grad(4)});
     return {dh, at::Tensor(), dw, dgu, dd};
   }
 };

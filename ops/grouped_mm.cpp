@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <vector>
 
@@ -178,14 +179,17 @@ at::Tensor grouped_mm_meta(const at::Tensor& a, const at::Tensor& b, const at::T
 }
 
 std::tuple<at::Tensor, at::Tensor> grouped_mm_backward_impl(const at::Tensor& grad, const at::Tensor& a,
-                                                            const at::Tensor& b, const at::Tensor& offs) {
+                                                            const at::Tensor& b, const at::Tensor& offs,
+                                                            std::array<bool, 2> output_mask) {
   check_grouped_mm(a, b, offs);
   check_same_dtype("grouped_mm_backward", "a", a, "grad_out", grad);
   TORCH_CHECK(grad.dim() == 2 && grad.size(0) == a.size(0) && grad.size(1) == b.size(2),
               "kernmap.grouped_mm_backward: grad_out must have shape [", a.size(0), ", ", b.size(2),
               "], got ", grad.sizes());
   // grad_a = grad @ b[e]^T: b^T is [E, N, K], itself a grouped operand.
-  at::Tensor grad_a = grouped_mm_cpu(grad, b.transpose(1, 2), offs);
+  // A gradient output_mask does not ask for is left undefined.
+  at::Tensor grad_a = output_mask[0] ? grouped_mm_cpu(grad, b.transpose(1, 2), offs) : at::Tensor();
+  if (!output_mask[1]) return {grad_a, at::Tensor()};
   // grad_b[e] = a_e^T @ grad_e, produced in b's memory layout so the parameter's gradient needs no copy.
   const bool b_is_transposed = b.stride(1) == 1 && b.stride(2) != 1;
   at::Tensor grad_b = b_is_transposed ? grouped_weight_grad_cpu(grad, a, offs).transpose(1, 2)
@@ -194,9 +198,11 @@ std::tuple<at::Tensor, at::Tensor> grouped_mm_backward_impl(const at::Tensor& gr
 }
 
 std::tuple<at::Tensor, at::Tensor> grouped_mm_backward_meta(const at::Tensor& grad, const at::Tensor& a,
-                                                            const at::Tensor& b, const at::Tensor& offs) {
+                                                            const at::Tensor& b, const at::Tensor& offs,
+                                                            std::array<bool, 2> output_mask) {
   check_grouped_mm(a, b, offs);
-  return {at::empty(a.sizes(), a.options()), at::empty_like(b)};
+  return {output_mask[0] ? at::empty(a.sizes(), a.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_like(b) : at::Tensor()};
 }
 
 class GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
@@ -211,11 +217,12 @@ class GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static auto op =
-        op_handle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                     const at::Tensor&)>("kernmap::grouped_mm_backward");
+    static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::array<bool, 2>)>(
+        "kernmap::grouped_mm_backward");
     const auto saved = ctx->get_saved_variables();
-    auto [ga, gb] = op.call(grads[0], saved[0], saved[1], saved[2]);
+    auto [ga, gb] =
+        op.call(grads[0], saved[0], saved[1], saved[2], {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
     return {ga, gb, at::Tensor()};
   }
 };

@@ -39,8 +39,11 @@ TORCH_LIBRARY(kernmap, m) {
   // b[e]. offs: int32 [E], non-decreasing cumulative row ends, offs[E-1] == T. b may be a transposed view.
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
   m.def(
-      "grouped_mm_backward(Tensor grad_out, Tensor a, Tensor b, Tensor offs) -> (Tensor grad_a, Tensor "
-      "grad_b)");
+      "grouped_mm_backward(Tensor grad_out, Tensor a, Tensor b, Tensor offs, bool[2] output_mask=[True, "
+      "True]) -> (Tensor grad_a, Tensor grad_b)");
+  // The backwards take output_mask (the gradients autograd needs, in the order of the outputs): a gradient
+  // not asked for is not computed and is returned undefined (None) — frozen expert weights (LoRA fine-tuning)
+  // skip the weight-gradient products and their [E, N, K] buffers.
   // MoE experts, transformers 5.x layout: gate_up_proj [E, 2I, H] (gate first), down_proj [E, H, I].
   m.def(
       "experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, Tensor down_proj) "
@@ -50,8 +53,9 @@ TORCH_LIBRARY(kernmap, m) {
       "down_proj) -> (Tensor out, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out)");
   m.def(
       "experts_backward(Tensor grad_out, Tensor hidden, Tensor topk_weights, Tensor gate_up_proj, Tensor "
-      "down_proj, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out) -> (Tensor grad_hidden, "
-      "Tensor grad_topk_weights, Tensor grad_gate_up_proj, Tensor grad_down_proj)");
+      "down_proj, Tensor order, Tensor offs, Tensor gate_up_out, Tensor down_out, bool[4] "
+      "output_mask=[True, True, True, True]) -> (Tensor grad_hidden, Tensor grad_topk_weights, Tensor "
+      "grad_gate_up_proj, Tensor grad_down_proj)");
   // transformers' ForCausalLMLoss of a linear LM head, without the [N, V] logits: hidden [N, H], weight [V,
   // H], labels int64 [N] (already shifted), bias [V]; mean over the rows whose label is not ignore_index, or
   // their sum / num_items_in_batch (a one-element tensor). Returns the fp32 loss (fp64 for fp64 inputs).

@@ -434,3 +434,76 @@ def test_grouped_mm_backward_bit_identical_across_threads(dtype, counts):
         expected_gb[e] = a[start:end].double().t() @ grad[start:end].double()
         start = end
     torch.testing.assert_close(results[0][1].double(), expected_gb, **tol(dtype, terms=max(counts)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b_layout", ["EKN", "transposed_ENK"])
+def test_grouped_mm_backward_computes_only_the_gradients_asked_for(dtype, b_layout):
+    # output_mask (autograd passes needs_input_grad): a gradient not asked for is None, not computed; the others
+    # have the bits of the full backward.
+    counts = [3, 0, 17, 5]
+    K, N = 40, 72
+    offs = offsets(counts)
+    T, E = sum(counts), len(counts)
+    a = torch.randn(T, K).to(dtype)
+    b = torch.randn(E, K, N).to(dtype) if b_layout == "EKN" else torch.randn(E, N, K).to(dtype).transpose(1, 2)
+    grad = torch.randn(T, N).to(dtype)
+    ga, gb = ops.grouped_mm_backward(grad, a, b, offs)
+    only_a = ops.grouped_mm_backward(grad, a, b, offs, [True, False])
+    only_b = ops.grouped_mm_backward(grad, a, b, offs, [False, True])
+    assert only_a[1] is None and torch.equal(only_a[0], ga)
+    assert only_b[0] is None and torch.equal(only_b[1], gb)
+    assert ops.grouped_mm_backward(grad, a, b, offs, [False, False]) == (None, None)
+    # Through autograd: frozen weights get no gradient, the input's is unchanged.
+    x = a.clone().requires_grad_(True)
+    ops.grouped_mm(x, b, offs).backward(grad)
+    assert torch.equal(x.grad, ga)
+    w = b.detach().clone().requires_grad_(True)
+    ops.grouped_mm(a, w, offs).backward(grad)
+    assert torch.equal(w.grad, gb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("trainable", [(True, True, False, False), (True, False, False, False),
+                                       (False, False, True, False), (False, True, False, True),
+                                       (True, True, True, True)],
+                         ids=["frozen_experts", "hidden_only", "gate_up_only", "weights_and_down", "all"])
+def test_experts_backward_computes_only_the_gradients_asked_for(dtype, trainable):
+    # LoRA-style fine-tuning freezes the expert weights: their gradients (and the weight-gradient products
+    # behind them) are skipped, and the gradients still asked for keep the bits of the full backward.
+    E, k, T, H, I = 8, 2, 24, 72, 40
+    ids, weights = routing(T, E, k)
+    tensors = [torch.randn(T, H).to(dtype), weights.to(dtype), torch.randn(E, 2 * I, H).to(dtype) * 0.3,
+               torch.randn(E, H, I).to(dtype) * 0.3]
+    g = torch.randn(T, H).to(dtype)
+
+    def run(flags):
+        xs = [t.clone().requires_grad_(f) for t, f in zip(tensors, flags)]
+        ops.experts(xs[0], ids, xs[1], xs[2], xs[3]).backward(g)
+        return [x.grad for x in xs]
+
+    full = run((True,) * 4)
+    for got, want, asked in zip(run(trainable), full, trainable):
+        if asked:
+            assert torch.equal(got, want)
+        else:
+            assert got is None
+    out, order, offs, h1, h2 = ops.experts_forward(tensors[0], ids, tensors[1], tensors[2], tensors[3])
+    grads = ops.experts_backward(g, tensors[0], tensors[1], tensors[2], tensors[3], order, offs, h1, h2,
+                                 list(trainable))
+    for got, want, asked in zip(grads, full, trainable):
+        assert (got is None) != asked
+        if asked:
+            assert torch.equal(got, want)
+
+
+def test_backward_output_mask_opcheck():
+    # The frozen-weight paths through autograd (needs_input_grad false) and the masked backward ops themselves.
+    E, k, T, H, I = 4, 2, 6, 8, 5
+    ids, weights = routing(T, E, k)
+    frozen = (torch.randn(T, H, requires_grad=True), ids, weights.requires_grad_(True), torch.randn(E, 2 * I, H),
+              torch.randn(E, H, I))
+    torch.library.opcheck(ops.experts.default, frozen)
+    a, b, offs = torch.randn(10, 8), torch.randn(3, 8, 6), offsets([4, 0, 6])
+    torch.library.opcheck(ops.grouped_mm.default, (a.requires_grad_(True), b, offs))
+    torch.library.opcheck(ops.grouped_mm_backward.default, (torch.randn(10, 6), a.detach(), b, offs, [True, False]))
