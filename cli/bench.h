@@ -43,14 +43,17 @@ using CaseFactory =
 
 at::ScalarType dtype_of(const std::string& name);
 std::string shape_string(at::IntArrayRef s);
-/// fwd+bwd of f on inputs that require grad (floating inputs only), with a fixed upstream gradient; grads are
+/// fwd+bwd of f on inputs that require grad (floating inputs only; where `trainable` is given, only those it
+/// marks: the others stay frozen, as LoRA leaves a base weight), with a fixed upstream gradient; grads are
 /// dropped between runs so no accumulation pass is timed (so implementations may share the same inputs).
 std::function<void()> fwd_bwd(std::vector<at::Tensor> inputs, at::Tensor grad,
-                              std::function<at::Tensor(const std::vector<at::Tensor>&)> f);
+                              std::function<at::Tensor(const std::vector<at::Tensor>&)> f,
+                              std::vector<bool> trainable = {});
 
-/// Builders for cases made together (a forward and a forward+backward case sharing tensors): the first runs
-/// make(), each hands out its case, and the tensors are released after the last one is taken.
-std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make);
+/// Builders for the `count` cases made together (a forward and a forward+backward case sharing tensors, and
+/// for experts a frozen-weights forward+backward): the first runs make(), each hands out its case, and the
+/// tensors are released after the last one is taken.
+std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make, size_t count = 2);
 
 std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype, const ShapeFilter& wanted);
 std::vector<CaseBuilder> add_rms_norm_cases(const std::string& dtype, const ShapeFilter& wanted);

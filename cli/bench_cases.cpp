@@ -23,9 +23,11 @@ std::string shape_string(at::IntArrayRef s) {
 // fwd+bwd of f on inputs that require grad, with a fixed upstream gradient; grads are dropped between runs so
 // no accumulation pass is timed.
 std::function<void()> fwd_bwd(std::vector<at::Tensor> inputs, at::Tensor grad,
-                              std::function<at::Tensor(const std::vector<at::Tensor>&)> f) {
-  for (auto& t : inputs)
-    if (t.is_floating_point()) t.requires_grad_(true);
+                              std::function<at::Tensor(const std::vector<at::Tensor>&)> f,
+                              std::vector<bool> trainable) {
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].is_floating_point() && (trainable.empty() || (i < trainable.size() && trainable[i])))
+      inputs[i].requires_grad_(true);
   return [inputs, grad, f] {
     at::Tensor y = f(inputs);
     torch::autograd::backward({y}, {grad});
@@ -67,10 +69,9 @@ std::vector<Case> both_passes(const std::string& op, const std::string& dtype,
 
 }  // namespace
 
-std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make) {
+std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make, size_t count) {
   auto made = std::make_shared<std::vector<Case>>();
   auto taken = std::make_shared<size_t>(0);
-  const size_t count = 2;  // callers make a fwd and a fwd+bwd case
   std::vector<CaseBuilder> out;
   for (size_t i = 0; i < count; ++i)
     out.push_back([=] {

@@ -112,42 +112,61 @@ std::vector<CaseBuilder> experts_cases(const std::string& dtype, const ShapeFilt
   std::vector<CaseBuilder> out;
   for (const MoeShape& s : kShapes)
     if (wanted(describe(s)))
-      for (CaseBuilder& b : builders_of([s, dtype] {
-             const at::ScalarType dt = dtype_of(dtype);
-             const at::Tensor ids = routing(s);
-             const at::Tensor topk_w = at::rand({s.T, s.k}).softmax(-1).to(dt);
-             const at::Tensor hidden = at::randn({s.T, s.H}).to(dt);
-             const at::Tensor gate_up = weights({s.E, 2 * s.I, s.H}, s.H, dt);
-             const at::Tensor down = weights({s.E, s.H, s.I}, s.I, dt);
-             const at::Tensor dy = at::randn({s.T, s.H}).to(dt);
-             const double e = hidden.element_size();
-             const double weight_bytes = e * s.E * 3.0 * s.I * s.H;
-             const double act_bytes = e * 2.0 * s.T * s.H;
-             const double flops = 6.0 * s.T * s.k * s.H * s.I;
-             auto kern = [](const std::vector<at::Tensor>& in) {
-               return kernmap::experts(in[0], in[1], in[2], in[3], in[4]);
-             };
-             auto ref = [](const std::vector<at::Tensor>& in) {
-               return kernmap::reference::experts(in[0], in[1], in[2], in[3], in[4]);
-             };
-             Case fwd{"experts", "fwd", dtype, describe(s), weight_bytes + act_bytes, flops, 5, {}};
-             fwd.impls = {{"kernmap",
-                           [=] {
-                             at::NoGradGuard g;
-                             kern({hidden, ids, topk_w, gate_up, down});
-                           }},
-                          {"reference", [=] {
-                             at::NoGradGuard g;
-                             ref({hidden, ids, topk_w, gate_up, down});
-                           }}};
-             // fwd+bwd reads the weights in the forward and again in the backward (far larger than any
-             // cache), writes their gradients, and moves the activations and their gradients.
-             Case both{"experts", "fwd+bwd", dtype, describe(s), 3 * weight_bytes + 2 * act_bytes,
-                       3 * flops, 3,         {}};
-             both.impls = {{"kernmap", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, kern)},
-                           {"reference", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, ref), 1}};
-             return std::vector<Case>{fwd, both};
-           }))
+      for (CaseBuilder& b : builders_of(
+               [s, dtype] {
+                 const at::ScalarType dt = dtype_of(dtype);
+                 const at::Tensor ids = routing(s);
+                 const at::Tensor topk_w = at::rand({s.T, s.k}).softmax(-1).to(dt);
+                 const at::Tensor hidden = at::randn({s.T, s.H}).to(dt);
+                 const at::Tensor gate_up = weights({s.E, 2 * s.I, s.H}, s.H, dt);
+                 const at::Tensor down = weights({s.E, s.H, s.I}, s.I, dt);
+                 const at::Tensor dy = at::randn({s.T, s.H}).to(dt);
+                 const double e = hidden.element_size();
+                 const double weight_bytes = e * s.E * 3.0 * s.I * s.H;
+                 const double act_bytes = e * 2.0 * s.T * s.H;
+                 const double flops = 6.0 * s.T * s.k * s.H * s.I;
+                 auto kern = [](const std::vector<at::Tensor>& in) {
+                   return kernmap::experts(in[0], in[1], in[2], in[3], in[4]);
+                 };
+                 auto ref = [](const std::vector<at::Tensor>& in) {
+                   return kernmap::reference::experts(in[0], in[1], in[2], in[3], in[4]);
+                 };
+                 Case fwd{"experts", "fwd", dtype, describe(s), weight_bytes + act_bytes, flops, 5, {}};
+                 fwd.impls = {{"kernmap",
+                               [=] {
+                                 at::NoGradGuard g;
+                                 kern({hidden, ids, topk_w, gate_up, down});
+                               }},
+                              {"reference", [=] {
+                                 at::NoGradGuard g;
+                                 ref({hidden, ids, topk_w, gate_up, down});
+                               }}};
+                 // fwd+bwd reads the weights in the forward and again in the backward (far larger than any
+                 // cache), writes their gradients, and moves the activations and their gradients.
+                 Case both{"experts", "fwd+bwd", dtype, describe(s), 3 * weight_bytes + 2 * act_bytes,
+                           3 * flops, 3,         {}};
+                 both.impls = {{"kernmap", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, kern)},
+                               {"reference", fwd_bwd({hidden, ids, topk_w, gate_up, down}, dy, ref), 1}};
+                 // The expert weights frozen (LoRA fine-tuning): gradients for the hidden states and the
+                 // routing weights only. Reads the weights in the forward and in the backward's two
+                 // input-gradient products; writes no weight gradient. The weights are aliases of their own
+                 // (detach), so the case above keeps its trainable ones.
+                 const std::vector<bool> frozen_weights = {true, false, true, false, false};
+                 const std::vector<at::Tensor> frozen_in = {hidden.detach(), ids, topk_w.detach(),
+                                                            gate_up.detach(), down.detach()};
+                 Case frozen{"experts",
+                             "fwd+bwd-frozen",
+                             dtype,
+                             describe(s),
+                             2 * weight_bytes + 2 * act_bytes,
+                             2 * flops,
+                             3,
+                             {}};
+                 frozen.impls = {{"kernmap", fwd_bwd(frozen_in, dy, kern, frozen_weights)},
+                                 {"reference", fwd_bwd(frozen_in, dy, ref, frozen_weights), 1}};
+                 return std::vector<Case>{fwd, both, frozen};
+               },
+               3))
         out.push_back(std::move(b));
   return out;
 }
