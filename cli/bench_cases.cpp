@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "cli/bench.h"
 #include "kernmap/ops.h"
@@ -76,6 +78,9 @@ std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make, si
   for (size_t i = 0; i < count; ++i)
     out.push_back([=] {
       if (made->empty()) *made = make();
+      if (made->size() != count)
+        throw std::logic_error("bench: a case family made " + std::to_string(made->size()) +
+                               " cases, its builders " + "expected " + std::to_string(count));
       Case c = (*made)[i];
       if (++*taken == made->size()) made->clear();
       return c;
