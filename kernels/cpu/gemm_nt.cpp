@@ -54,11 +54,13 @@ void block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, 
     for (int j = 0; j < NR; ++j) acc[i][j] = V{};
   const int64_t Kb = K - K % kBlock;
   for (int64_t k = 0; k < Kb; k += kBlock) {
-    V a[MR], b[NR];
+    V a[MR];
     for (int i = 0; i < MR; ++i) a[i] = load<Ac>(A + i * lda + k);
-    for (int j = 0; j < NR; ++j) b[j] = load<Ac>(B + j * ldb + k);
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] += a[i] * b[j];
+    // Each vector of B loaded where it is used: one register for B, not NR (GCC keeps the source order).
+    for (int j = 0; j < NR; ++j) {
+      const V b = load<Ac>(B + j * ldb + k);
+      for (int i = 0; i < MR; ++i) acc[i][j] += a[i] * b;
+    }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
@@ -149,9 +151,9 @@ struct Ymm {
 // level's vector registers: ymm 6 x 4 + 5 = 29 of AVX-512's 32 (32 rows), 6 x 2 + 3 = 15 of AVX2's 16 (16
 // rows). A larger group makes a second pass, over B rows the first left in L2.
 #if defined(__AVX512F__)
-constexpr int kRows = 32;
+constexpr int kRows = 32, kVectorRegisters = 32;
 #else
-constexpr int kRows = 16;
+constexpr int kRows = 16, kVectorRegisters = 16;
 #endif
 // The rows past the last whole 8-row group that go to the dot-product blocks (kDotRows).
 constexpr int kTailLanes = 8;
@@ -407,7 +409,10 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
     constexpr int NB = decltype(nb)::value;
     for (; n + NB <= cols; n += NB) any_block<T, R, NB>(At, ldt, W + n * ldw, ldw, C + n, ldc, K);
   };
-  run(std::integral_constant<int, kBlockCols>{});
+  // R x NB accumulators, R vectors of A and one of B within the level's vector registers (an accumulator
+  // that spills costs a load and a store per FMA): 3 x 6 + 4 = 22 of AVX-512's 32; below it 2 x 6 + 3 = 15,
+  // and 3 rows over 4 columns, 3 x 4 + 4 = 16 of 16.
+  if constexpr (R * kBlockCols + R + 1 <= kVectorRegisters) run(std::integral_constant<int, kBlockCols>{});
   run(std::integral_constant<int, 4>{});
   run(std::integral_constant<int, 2>{});
   run(std::integral_constant<int, 1>{});
@@ -415,18 +420,23 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
 
 // C = A B^T through the lanes form, fp32 or (avx512bf16) bf16, B read in place. Rows in 8-row groups: a group
 // costs the same whatever its rows, so where M leaves 1 to kDotRows rows over, those go through the
-// dot-product blocks instead, right after the lanes blocks
-// have brought the same B rows into cache (a 16-element dot product per row costs what a whole 8-row group
-// does per element).
-// Four dot-product rows spill registers and run slower than a lane group (docs/performance.md, "gemm_nt
-// lanes form").
-// Below AVX-512 a dot-product block of more than one row over kBlockCols columns spills (2 x 6 + 8 = 20 of 16
-// registers): only a single leftover row goes that way.
-#if defined(__AVX512F__)
+// dot-product blocks instead, right after the lanes blocks have brought the same B rows into cache (a
+// dot-product row costs an eighth of an 8-row group's FMAs per weight element). Four dot-product rows spill
+// registers and run slower than a lane group (docs/performance.md, "gemm_nt lanes form").
 constexpr int64_t kDotRows = 3;
-#else
-constexpr int64_t kDotRows = 1;
+
+// The rows of M left to the dot-product blocks. Below AVX-512, two or three only where they would make a
+// pass over B of their own (M % kRows: 2, 3, 18, 19 rows), not where they fill the second register of a pass
+// the other rows make anyway (10, 11 rows: no faster as dot-product rows, bf16 slower; docs/performance.md,
+// "gemm_nt lanes form").
+inline int64_t dot_tail(int64_t M) {
+  const int64_t t = M % kTailLanes;
+  if (t == 0 || t > kDotRows) return 0;
+#if !defined(__AVX512F__)
+  if (t > 1 && M % kRows != t) return 0;
 #endif
+  return t;
+}
 
 template <class R, class T>
 void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
@@ -438,7 +448,7 @@ void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64
 #else
   constexpr bool kPairs = false;
 #endif
-  const int64_t tail = M % kTailLanes <= kDotRows ? M % kTailLanes : 0;
+  const int64_t tail = dot_tail(M);
   const int64_t Ml = M - tail;  // rows through the lanes form
   const int64_t chunks = (Ml + kRows - 1) / kRows;
   using P = std::conditional_t<kPairs, uint32_t, float>;
@@ -475,10 +485,8 @@ void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64
     const T* W = B + n0 * ldb;
     pass(W, ldb, n0, cols);
     if (tail == 1) dot_rows<T, 1>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-    if constexpr (kDotRows >= 3) {
-      if (tail == 2) dot_rows<T, 2>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-      if (tail == 3) dot_rows<T, 3>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
-    }
+    if (tail == 2) dot_rows<T, 2>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
+    if (tail == 3) dot_rows<T, 3>(At, ldt, W, ldb, Ct + n0, ldc, cols, K);
   }
 }
 #if defined(__AVX512F__)

@@ -296,7 +296,9 @@ const std::vector<Row>& kernel_table() {
        .check = grouped_mm_small_groups_within_float64_bound,
        .skip = [](const Case& c) { return c["K"] == 1 && c["N"] == 70; }},  // nothing K = 1, N = 53 misses
       {.op = "grouped_mm_non_finite",
-       .shapes = {{.groups = {17, 0, 23}}},
+       .shapes = {{.sizes = {{"T", 40}}, .groups = {17, 0, 23}},
+                  {.sizes = {{"T", 37}}, .groups = {19, 0, 18}},
+                  {.sizes = {{"T", 13}}, .groups = {10, 0, 3}}},
        .layouts = {""},
        .check = grouped_mm_non_finite_stays_in_its_row_and_column},
       {.op = "grouped_mm_thread_count",
