@@ -31,6 +31,13 @@ constexpr int kBcastVecs = 2;
 // L2 next to the partial sums). The step count is a multiple of 8 (even: the paired bf16 steps never straddle
 // two blocks); the block size only changes where partial sums are parked, not the order of any sum.
 
+// Fewest steps of a reduction block: a register block's fixed cost per block (its call, its MR x NV partial
+// sums loaded and parked) spread over at least 6144 multiply-adds, 24 steps at AVX-512 (4 x 4 x 16 a step),
+// 64 at AVX2 (6 x 2 x 8), 128 at baseline (6 x 2 x 4). The L2 rule alone gave 16 steps of 8 KiB rows on a
+// 512 KiB L2 (Zen 3), where 64 ran grad @ W 18-22 % faster at avx2 and 128 faster at baseline; on a 1 MiB L2
+// it gives 32 at AVX-512 (docs/performance.md, "gemm_bcast reduction blocks").
+constexpr int64_t kMinBlockSteps = (6144 / (kBcastRows * kBcastVecs * kBlock) + 7) / 8 * 8;
+
 // bf16 (dot-product instruction): a short reduction's panels (the weight gradients of small groups) are
 // interleaved once when at least this many row blocks read them; the long reductions of grad @ W (4 row
 // blocks a panel) ran slower interleaved and unpack (docs/performance.md, "gemm_bcast reduction blocks").
@@ -680,12 +687,12 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   using Ac = Acc<T>;
   const int64_t wide = kBcastVecs * kBlock;
   const int64_t Nw = N - N % wide, Nv = N - N % kBlock;
-  // The full-width column blocks go through the reduction in blocks of kBlockP steps (all column blocks of
+  // The full-width column blocks go through the reduction in blocks of block_p steps (all column blocks of
   // one reduction block before the next), their partial sums parked in an M x Nw scratch block; fp64 (the
   // gradient checks) in one pass. The sums are the same either way: each element adds its products in order
   // of p.
-  const int64_t block_p =
-      std::clamp<int64_t>(l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, 16, 256);
+  const int64_t block_p = std::clamp<int64_t>(
+      l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, kMinBlockSteps, 256);
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
   Ac* sums = step_p < P && Nw > 0 ? scratch<Ac>(M * Nw) : nullptr;
   // A read across its rows (the weight gradients' x^T), or widened to TA: copied once into M rows of P, so

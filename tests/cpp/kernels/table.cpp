@@ -103,11 +103,11 @@ void experts_match_reference(const Case& c) {
 
 // The gemm_bcast cases: rows around the 4-row (AVX-512) and 6-row (below it) register blocks, columns around
 // the 16-lane vector and 64-column block, reduction lengths around the bf16 pairs, and reductions long enough
-// to be split into blocks (2048 columns: blocks of 32 fp32 / 64 bf16 steps; 130 columns: blocks of 256
-// steps); then bf16 long reductions (more than 64 steps, A's pairs in its rows): interleaved 32-column panels
-// and row blocks of up to 12 rows, rows around the blocks, columns around the 32-column tile, an odd step
-// alone at the end of a reduction split into blocks of 256 steps (257) or not split (65); columns in two
-// chunks of 576 and 524 with 128-step blocks (1100 x 301).
+// to be split into blocks (2048 columns: blocks of 24 to 128 steps, by the L2 size, the dtype and the level;
+// 130 columns: blocks of 256 steps); then bf16 long reductions (more than 64 steps, A's pairs in its rows):
+// interleaved 32-column panels and row blocks of up to 12 rows, rows around the blocks, columns around the
+// 32-column tile, an odd step alone at the end of a reduction split into blocks of 256 steps (257) or not
+// split (65); columns in two chunks of 576 and 524 with 128-step blocks (1100 x 301).
 std::vector<Shape> gemm_bcast_shapes() {
   std::vector<Shape> out;
   auto add = [&](int64_t M, int64_t N, int64_t P, std::string layout) {
