@@ -70,8 +70,9 @@ void grouped_mm_small_groups_within_float64_bound(const Case& c) {
 }
 
 // A non-finite input reaches only its own row (a) or column (b): rows share registers in the kernels. Three
-// groups, the middle one empty; the first group's row 3 (a lane row) and its last row (a dot-product row where
-// the group leaves 1 to 3 rows past its 8-row groups) hold an infinity, the last group's column 5 a NaN.
+// groups, the middle one empty; the first group's row 3 (a lane row) and its last row (a dot-product row
+// where the group leaves 1 to 3 rows past its 8-row groups) hold an infinity, the last group's column 5 a
+// NaN.
 void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c) {
   const at::Tensor offs = offsets(c.groups());
   const int64_t first = c.groups()[0], T = c["T"];
@@ -86,7 +87,9 @@ void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c) {
   at::Tensor expected = at::zeros({T, 29}, at::kBool);
   expected[3].fill_(true);  // rows 3 and first - 1 (group 0) times every column
   expected[first - 1].fill_(true);
-  expected.slice(0, offs[1].item<int64_t>(), T).select(1, 5).fill_(true);  // column 5 of the last group's rows
+  expected.slice(0, offs[1].item<int64_t>(), T)
+      .select(1, 5)
+      .fill_(true);  // column 5 of the last group's rows
   EXPECT_TRUE(at::equal(bad, expected)) << bad.nonzero();
 }
 
@@ -110,8 +113,8 @@ void gemm_nt_row_bits_independent_of_group_size(const Case& c) {
   std::vector<at::Tensor> alone;
   for (int64_t r = 0; r < a.size(0); ++r) alone.push_back(product(a.slice(0, r, r + 1)));
   const double tol = c.dtype == at::kFloat ? 1e-4 : 2e-2;
-  for (int64_t M :
-       {1, 2, 3, 4, 5, 8, 9, 11, 12, 13, 16, 17, 18, 19, 20, 21, 24, 25, 27, 28, 31, 32, 33, 34, 35, 40, 48, 49, 63, 70}) {
+  for (int64_t M : {1,  2,  3,  4,  5,  8,  9,  11, 12, 13, 16, 17, 18, 19, 20,
+                    21, 24, 25, 27, 28, 31, 32, 33, 34, 35, 40, 48, 49, 63, 70}) {
     const at::Tensor y = product(a.slice(0, 0, M));
     EXPECT_TRUE(at::allclose(y.to(at::kFloat), at::mm(a.slice(0, 0, M).to(at::kFloat), b.to(at::kFloat).t()),
                              tol, tol))
