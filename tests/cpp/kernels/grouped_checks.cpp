@@ -71,8 +71,7 @@ void grouped_mm_small_groups_within_float64_bound(const Case& c) {
 
 // A non-finite input reaches only its own row (a) or column (b): rows share registers in the kernels. Three
 // groups, the middle one empty; the first group's row 3 (a lane row) and its last row (a dot-product row
-// where the group leaves 1 to 3 rows past its 8-row groups) hold an infinity, the last group's column 5 a
-// NaN.
+// where the group leaves 1 to 3 rows past its 8-row groups) hold an infinity, the last group's column 5 NaN.
 void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c) {
   const at::Tensor offs = offsets(c.groups());
   const int64_t first = c.groups()[0], T = c["T"];
@@ -87,9 +86,8 @@ void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c) {
   at::Tensor expected = at::zeros({T, 29}, at::kBool);
   expected[3].fill_(true);  // rows 3 and first - 1 (group 0) times every column
   expected[first - 1].fill_(true);
-  expected.slice(0, offs[1].item<int64_t>(), T)
-      .select(1, 5)
-      .fill_(true);  // column 5 of the last group's rows
+  // Column 5 of the last group's rows.
+  expected.slice(0, offs[1].item<int64_t>(), T).select(1, 5).fill_(true);
   EXPECT_TRUE(at::equal(bad, expected)) << bad.nonzero();
 }
 
