@@ -420,8 +420,8 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
 
 // C = A B^T through the lanes form, fp32 or (avx512bf16) bf16, B read in place. Rows in 8-row groups: a group
 // costs the same whatever its rows, so where M leaves 1 to kDotRows rows over, those go through the
-// dot-product blocks instead, right after the lanes blocks have brought the same B rows into cache (a group of
-// 1 to 3 rows streams them itself; a dot-product row costs an eighth of an 8-row group's FMAs per weight
+// dot-product blocks instead, right after the lanes blocks have brought the same B rows into cache (a group
+// of 1 to 3 rows streams them itself; a dot-product row costs an eighth of an 8-row group's FMAs per weight
 // element). Four dot-product rows spill registers and run slower than a lane group (docs/performance.md,
 // "gemm_nt lanes form").
 constexpr int64_t kDotRows = 3;
