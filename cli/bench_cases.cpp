@@ -80,7 +80,7 @@ std::vector<CaseBuilder> builders_of(std::function<std::vector<Case>()> make, si
       if (made->empty()) *made = make();
       if (made->size() != count)
         throw std::logic_error("bench: a case family made " + std::to_string(made->size()) +
-                               " cases, its builders " + "expected " + std::to_string(count));
+                               " cases, its builders expected " + std::to_string(count));
       Case c = (*made)[i];
       if (++*taken == made->size()) made->clear();
       return c;
