@@ -64,15 +64,16 @@ Ac* scratch(int64_t n) {
 }
 
 // A run of cache lines to prefetch, walked row by row through a region whose rows are `row_lines` lines wide
-// and `ld` bytes apart: `lines` lines from line `col` of row `row`, `per_step` of them each step of a block.
+// and `ld` bytes apart: `lines` lines from line `col` of the row at `row_start`, `per_step` of them each step
+// of a block (a pointer walked row by row: no multiply in the register-block loops).
 struct Fetch {
-  const char* base = nullptr;
-  int64_t ld = 0, row_lines = 1, row = 0, col = 0, lines = 0, per_step = 0;
+  const char* row_start = nullptr;  // the row being walked
+  int64_t ld = 0, row_lines = 1, col = 0, lines = 0, per_step = 0;
 
   // The whole of `rows` rows of `row_bytes` from `first`, `ld` bytes apart (none: nothing to fetch).
   static Fetch rows_of(const void* first, int64_t ld, int64_t row_bytes, int64_t rows) {
     Fetch f;
-    f.base = static_cast<const char*>(first);
+    f.row_start = static_cast<const char*>(first);
     f.ld = ld;
     f.row_lines = (row_bytes + 63) / 64;
     f.lines = std::max<int64_t>(0, rows) * f.row_lines;
@@ -84,7 +85,7 @@ struct Fetch {
     const int64_t per_call = calls > 0 ? (lines + calls - 1) / calls : 0, start = call * per_call;
     if (per_call <= 0 || start >= lines) return f;
     f = *this;
-    f.row = start / row_lines;
+    f.row_start = row_start + start / row_lines * ld;
     f.col = start % row_lines;
     f.lines = std::min(per_call, lines - start);
     f.per_step = (per_call + std::max<int64_t>(1, steps) - 1) / std::max<int64_t>(1, steps);
@@ -97,10 +98,10 @@ struct Fetch {
   __attribute__((always_inline)) inline void step() {
     if (lines <= 0) return;
     for (int64_t i = 0; i < per_step && lines > 0; ++i, --lines) {
-      __builtin_prefetch(base + row * ld + col * 64, 0, Locality);
+      __builtin_prefetch(row_start + col * 64, 0, Locality);
       if (++col == row_lines) {
         col = 0;
-        ++row;
+        row_start += ld;
       }
     }
   }
@@ -108,7 +109,8 @@ struct Fetch {
 
 // Scalar math: C[m, n] = round(sum_p float(A(m, p)) * float(B[p, n])), p in order.
 // Register block: MR rows of C x NV vectors along n, over P steps of p (one block of the reduction).
-template <class T, int MR, int NV, bool Stream, class TA = T, class TB = T>
+// ABlock: A is a row block of outer_blocks' copy, A(i, p) at A[p * MR + i] (a_m and a_p unused).
+template <class T, int MR, int NV, bool Stream, class TA = T, class TB = T, bool ABlock = false>
 void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb, T* C, int64_t ldc,
                  int64_t P, const Partial<Acc<T>>& part, bool near = true, Fetch fetch = {}) {
   using Ac = Acc<T>;
@@ -129,7 +131,7 @@ void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb
     V b[NV];
     for (int j = 0; j < NV; ++j) b[j] = load<Ac>(B + p * ldb + j * kBlock);
     for (int i = 0; i < MR; ++i) {
-      const Ac a = to_acc<Ac>(A[i * a_m + p * a_p]);
+      const Ac a = to_acc<Ac>(ABlock ? A[p * MR + i] : A[i * a_m + p * a_p]);
       for (int j = 0; j < NV; ++j) acc[i][j] += a * b[j];
     }
   }
@@ -143,11 +145,11 @@ void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb
 }
 
 // bcast_block compiled as a function of its own (see its caller).
-template <class T, int MR, int NV, bool Stream, class TA, class TB>
+template <class T, int MR, int NV, bool Stream, class TA, class TB, bool ABlock>
 __attribute__((noinline)) void bcast_block_apart(const TA* A, int64_t a_m, int64_t a_p, const TB* B,
                                                  int64_t ldb, T* C, int64_t ldc, int64_t P,
                                                  const Partial<Acc<T>>& part, bool near, Fetch fetch) {
-  bcast_block<T, MR, NV, Stream, TA, TB>(A, a_m, a_p, B, ldb, C, ldc, P, part, near, fetch);
+  bcast_block<T, MR, NV, Stream, TA, TB, ABlock>(A, a_m, a_p, B, ldb, C, ldc, P, part, near, fetch);
 }
 
 #if defined(__AVX512BF16__)
@@ -473,15 +475,16 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
 }
 #endif
 
-// Columns beyond the last full vector: scalar.
-template <class T, class TA>
-void bcast_tail(const TA* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M,
-                int64_t n0, int64_t N, int64_t P) {
+// Columns beyond the last full vector: scalar, each product added as the vector columns add theirs (fused
+// where the level has FMA). a(m, p): A's element.
+template <class T, class AOf>
+void bcast_tail(AOf&& a, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t n0, int64_t N,
+                int64_t P) {
   using Ac = Acc<T>;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n0; n < N; ++n) {
       Ac s = 0;
-      for (int64_t p = 0; p < P; ++p) s += to_acc<Ac>(A[m * a_m + p * a_p]) * to_acc<Ac>(B[p * ldb + n]);
+      for (int64_t p = 0; p < P; ++p) s = madd(to_acc<Ac>(a(m, p)), to_acc<Ac>(B[p * ldb + n]), s);
       C[m * ldc + n] = from_acc<T>(s);
     }
 }
@@ -695,32 +698,52 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
       l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, kMinBlockSteps, 256);
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
   Ac* sums = step_p < P && Nw > 0 ? scratch<Ac>(M * Nw) : nullptr;
-  // A read across its rows (the weight gradients' x^T), or widened to TA: copied once into M rows of P, so
-  // each register block reads its scalars (the bf16 pairs as one 32-bit load) from one short row.
-  const TA* A = nullptr;
-  if constexpr (std::is_same_v<TA, T>) A = A_in;
-  if ((!std::is_same_v<TA, T> || (a_p != 1 && Nw > 0)) && P > 0) {
-    TA* packed = scratch<TA, 1>(M * P);
-    for (int64_t p = 0; p < P; ++p)
-      for (int64_t m = 0; m < M; ++m) {
-        if constexpr (std::is_same_v<TA, T>)
-          packed[m * P + p] = A_in[m * a_m + p * a_p];
-        else
-          packed[m * P + p] = to_float(A_in[m * a_m + p * a_p]);
-      }
-    A = packed;
-    a_m = P;
-    a_p = 1;
-  }
-  const int64_t row_blocks_n = (M + kBcastRows - 1) / kBcastRows, calls = Nw / wide * row_blocks_n;
 #if defined(__AVX512BF16__)
-  // bf16 with the dot-product instruction: a short reduction's panel (P rows x 64 columns) is interleaved
-  // once into scratch when kInterleaveRowBlocks or more row blocks read it, instead of unpacking B's row
-  // pairs in every row block (the contiguous copy also keeps it in the level-1 cache, as pack_panel does).
   constexpr bool kDp = std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64;
 #else
   constexpr bool kDp = false;
 #endif
+  // A copied once (widened to TA where TA is not T) into M x P elements. Except for the dot-product
+  // instruction's bf16 blocks (A's pairs stay in its rows), the copy interleaves each row block's rows step
+  // by step (row_blocks' blocks; element i of step p of an MR-row block at p * MR + i): a register block
+  // reads its MR scalars at fixed offsets from one pointer. Read in place, MR rows a_m apart took a general
+  // register each for their offsets, more than the loop had free, and GCC reloaded them from the stack every
+  // step (docs/performance.md, "gemm_bcast reduction blocks"). The dot-product blocks copy A only when read
+  // across its rows (the weight gradients' x^T) or widened, into M rows of P.
+  constexpr bool kABlock = !kDp;
+  auto widen = [](auto x) -> TA {
+    if constexpr (std::is_same_v<TA, T>)
+      return x;
+    else
+      return to_float(x);
+  };
+  const TA* A = nullptr;
+  if constexpr (std::is_same_v<TA, T>) A = A_in;
+  if (kABlock && P > 0) {
+    TA* packed = scratch<TA, 1>(M * P);
+    row_blocks(M, [&](auto rows, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      for (int64_t p = 0; p < P; ++p)
+        for (int i = 0; i < R; ++i) packed[m * P + p * R + i] = widen(A_in[(m + i) * a_m + p * a_p]);
+    });
+    A = packed;
+  } else if ((!std::is_same_v<TA, T> || (a_p != 1 && Nw > 0)) && P > 0) {
+    TA* packed = scratch<TA, 1>(M * P);
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t m = 0; m < M; ++m) packed[m * P + p] = widen(A_in[m * a_m + p * a_p]);
+    A = packed;
+    a_m = P;
+    a_p = 1;
+  }
+  // Rows m.. (a row block of MR rows) from step p.
+  auto a_block = [&](int64_t m, int64_t mr, int64_t p) {
+    return kABlock ? A + m * P + p * mr : A + m * a_m + p * a_p;
+  };
+  const int64_t row_blocks_n = (M + kBcastRows - 1) / kBcastRows, calls = Nw / wide * row_blocks_n;
+  // bf16 with the dot-product instruction (kDp): a short reduction's panel (P rows x 64 columns) is
+  // interleaved once into scratch when kInterleaveRowBlocks or more row blocks read it, instead of unpacking
+  // B's row pairs in every row block (the contiguous copy also keeps it in the level-1 cache, as pack_panel
+  // does).
   const bool inter = kDp && step_p >= P && row_blocks_n >= kInterleaveRowBlocks;
   const bool pack_panel =
       !inter && step_p >= P && P <= 64 && M >= 8 * kBcastRows && (ldb * int64_t(sizeof(T))) % 4096 == 0;
@@ -784,7 +807,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
       row_blocks(M, [&](auto rows, int64_t m) {
         constexpr int MR = decltype(rows)::value;
         const Partial<Ac> part{sums ? sums + m * Nw + n : nullptr, Nw, resume, park};
-        const TA* a = A + m * a_m + p0 * a_p;
+        const TA* a = a_block(m, MR, p0);
         const T* b = panel;
         const int64_t ldb = ldp;
         T* c = C + m * ldc + n;
@@ -793,8 +816,8 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         const Fetch fetch = next.share(n / wide * row_blocks_n + m / kBcastRows, calls, pn);
 #if defined(__AVX512F__)
         if (wpanel) {
-          bcast_block_apart<T, MR, kBcastVecs, Stream, TA, float>(a, a_m, a_p, wpanel, wide, c, ldc, pn, part,
-                                                                  false, fetch);
+          bcast_block_apart<T, MR, kBcastVecs, Stream, TA, float, kABlock>(a, a_m, a_p, wpanel, wide, c, ldc,
+                                                                           pn, part, false, fetch);
           return;
         }
 #endif
@@ -817,12 +840,13 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         // instantiations ran slower as calls and stay inlined (docs/performance.md, "gemm_bcast reduction
         // blocks").
         if constexpr (std::is_same_v<T, BFloat16>) {
-          bcast_block_apart<T, MR, kBcastVecs, Stream, TA, T>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near,
-                                                              fetch);
+          bcast_block_apart<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, a_m, a_p, b, ldb, c, ldc, pn, part,
+                                                                       near, fetch);
           return;
         }
 #endif
-        bcast_block<T, MR, kBcastVecs, Stream, TA>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near, fetch);
+        bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near,
+                                                               fetch);
       });
     }
   }
@@ -830,10 +854,18 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   const Partial<Ac> whole{nullptr, 0, false, false};
   for (int64_t n = Nw; n < Nv; n += kBlock)
     row_blocks(M, [&](auto rows, int64_t m) {
-      bcast_block<T, decltype(rows)::value, 1, false, TA>(A + m * a_m, a_m, a_p, B + n, ldb, C + m * ldc + n,
-                                                          ldc, P, whole);
+      constexpr int MR = decltype(rows)::value;
+      bcast_block<T, MR, 1, false, TA, T, kABlock>(a_block(m, MR, 0), a_m, a_p, B + n, ldb, C + m * ldc + n,
+                                                   ldc, P, whole);
     });
-  if (Nv < N) bcast_tail(A, a_m, a_p, B, ldb, C, ldc, M, Nv, N, P);
+  if (Nv < N)
+    bcast_tail(
+        [&](int64_t m, int64_t p) {
+          const int64_t m0 = m - m % kBcastRows;
+          return kABlock ? a_block(m0, std::min<int64_t>(kBcastRows, M - m0), p)[m - m0]
+                         : A[m * a_m + p * a_p];
+        },
+        B, ldb, C, ldc, M, Nv, N, P);
 }
 
 template <class T, bool Stream>
