@@ -107,12 +107,6 @@ std::optional<int64_t> env_count(const char* name, const char* what) {
   return count;
 }
 
-// Rows per chunk with gradients (docs/ops.md, "Fused linear cross-entropy"): as many as the last-level cache
-// holds in logits, last-level cache / (V x element size) (the streaming threshold's cache size), and at least
-// kMinChunkRows. Without gradients, the rows of a pass over the weight: all counted rows, at most 4096 (the
-// weight is streamed, and BLAS packs each block of it, once a pass: the more rows share that, the nearer the
-// product runs to its dense rate; the bound keeps a gathered copy of the rows and the vocabulary block's
-// logits small). KERNMAP_LCE_CHUNK_ROWS sets both (tests, tuning).
 // Fewest rows of a chunk with gradients: the chunk's rows are the reduction of the weight gradient's product
 // (z^T h_c) and the rows of the other two, and BLAS runs short ones well below its dense rate (MKL on Zen 3,
 // 2 threads, one run: [256, 896] x [896, 151936] 106 GFLOP/s, 512 rows 133, 2048-cubed 163), while each chunk
@@ -120,6 +114,12 @@ std::optional<int64_t> env_count(const char* name, const char* what) {
 // V151936 4-14 % faster on Zen 3 and 7 % on an AVX-512 Xeon, for 155 MB more buffer (docs/ops.md).
 constexpr int64_t kMinChunkRows = 512;
 
+// Rows per chunk with gradients (docs/ops.md, "Fused linear cross-entropy"): as many as the last-level cache
+// holds in logits, last-level cache / (V x element size) (the streaming threshold's cache size), and at least
+// kMinChunkRows. Without gradients, the rows of a pass over the weight: all counted rows, at most 4096 (the
+// weight is streamed, and BLAS packs each block of it, once a pass: the more rows share that, the nearer the
+// product runs to its dense rate; the bound keeps a gathered copy of the rows and the vocabulary block's
+// logits small). KERNMAP_LCE_CHUNK_ROWS sets both (tests, tuning).
 int64_t chunk_rows(int64_t V, int64_t element_size, bool grad) {
   if (const auto rows = env_count("KERNMAP_LCE_CHUNK_ROWS", "rows")) return *rows;
   return grad ? std::max<int64_t>(kMinChunkRows, last_level_cache_bytes() / (V * element_size)) : 4096;
