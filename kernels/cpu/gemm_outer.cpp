@@ -709,7 +709,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // reads its MR scalars at fixed offsets from one pointer. Read in place, MR rows a_m apart took a general
   // register each for their offsets, more than the loop had free, and GCC reloaded them from the stack every
   // step (docs/performance.md, "gemm_bcast reduction blocks"). The dot-product blocks copy A only when read
-  // across its rows (the weight gradients' x^T) or widened, into M rows of P.
+  // across its rows (the weight gradients' x^T), into M rows of P.
   constexpr bool kABlock = !kDp;
   auto widen = [](auto x) -> TA {
     if constexpr (std::is_same_v<TA, T>)
@@ -719,18 +719,20 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   };
   const TA* A = nullptr;
   if constexpr (std::is_same_v<TA, T>) A = A_in;
-  if (kABlock && P > 0) {
-    TA* packed = scratch<TA, 1>(M * P);
-    row_blocks(M, [&](auto rows, int64_t m) {
-      constexpr int R = decltype(rows)::value;
-      for (int64_t p = 0; p < P; ++p)
-        for (int i = 0; i < R; ++i) packed[m * P + p * R + i] = widen(A_in[(m + i) * a_m + p * a_p]);
-    });
-    A = packed;
-  } else if ((!std::is_same_v<TA, T> || (a_p != 1 && Nw > 0)) && P > 0) {
+  if constexpr (kABlock) {
+    if (P > 0) {
+      TA* packed = scratch<TA, 1>(M * P);
+      row_blocks(M, [&](auto rows, int64_t m) {
+        constexpr int R = decltype(rows)::value;
+        for (int64_t p = 0; p < P; ++p)
+          for (int i = 0; i < R; ++i) packed[m * P + p * R + i] = widen(A_in[(m + i) * a_m + p * a_p]);
+      });
+      A = packed;
+    }
+  } else if (a_p != 1 && Nw > 0 && P > 0) {  // the dot-product blocks, which read A as T
     TA* packed = scratch<TA, 1>(M * P);
     for (int64_t p = 0; p < P; ++p)
-      for (int64_t m = 0; m < M; ++m) packed[m * P + p] = widen(A_in[m * a_m + p * a_p]);
+      for (int64_t m = 0; m < M; ++m) packed[m * P + p] = A_in[m * a_m + p * a_p];
     A = packed;
     a_m = P;
     a_p = 1;
