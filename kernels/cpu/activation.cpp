@@ -65,7 +65,7 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
     T* yr = y + r * n;
     for (int64_t i = 0; i < nb; i += kBlock) {
       auto a = load<A>(gr + i);
-      store_out<Stream>(yr + i, round_block<T>(silu_of(a)) * load<A>(ur + i));
+      store_out<Stream>(yr + i, round_block_arith<T>(silu_of(a)) * load<A>(ur + i));
     }
     for (int64_t i = nb; i < n; ++i) {
       A a = to_acc<A>(gr[i]);
@@ -92,8 +92,8 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
       auto d = load<A>(dyr + i);
       auto a = load<A>(gr + i);
       auto sg = sigmoid(a);
-      store_out<Stream>(dur + i, d * round_block<T>(a * sg));
-      store_out<Stream>(dgr + i, round_block<T>(d * load<A>(ur + i)) * (sg * (1 + a * (1 - sg))));
+      store_out<Stream>(dur + i, d * round_block_arith<T>(a * sg));
+      store_out<Stream>(dgr + i, round_block_arith<T>(d * load<A>(ur + i)) * (sg * (1 + a * (1 - sg))));
     }
     for (int64_t i = nb; i < n; ++i) {
       A d = to_acc<A>(dyr[i]);

@@ -25,8 +25,9 @@ void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
     const Vec<A> x1 = load<A>(x + i), x2 = load<A>(x + h + i);
     const Vec<A> sa = Backward ? -load<A>(s + h + i) : load<A>(s + i);
     const Vec<A> sb = Backward ? -load<A>(s + i) : load<A>(s + h + i);
-    store_out<Stream>(y + i, round_block<X>(x1 * load<A>(c + i)) - round_block<X>(x2 * sa));
-    store_out<Stream>(y + h + i, round_block<X>(x2 * load<A>(c + h + i)) + round_block<X>(x1 * sb));
+    store_out<Stream>(y + i, round_block_arith<X>(x1 * load<A>(c + i)) - round_block_arith<X>(x2 * sa));
+    store_out<Stream>(y + h + i,
+                      round_block_arith<X>(x2 * load<A>(c + h + i)) + round_block_arith<X>(x1 * sb));
   }
   for (int64_t i = hb; i < h; ++i) {
     const A x1 = to_acc<A>(x[i]), x2 = to_acc<A>(x[h + i]);

@@ -396,6 +396,25 @@ inline V round_block(V v) {
   }
 }
 
+/// round_block for a block computed by arithmetic alone from T elements and finite constants (products,
+/// sums, quotients, one_plus_exp_neg below): each of its NaNs is the default NaN or an operand's NaN made
+/// quiet, which for a bfloat16 T has its low 16 bits clear, so the rounding add cannot carry out of a NaN's
+/// mantissa and needs no NaN select (two instructions of seven below AVX-512, where the elementwise bf16 rows
+/// are bound by instructions and latency: docs/performance.md, "bf16 elementwise rows"). Every lane that is
+/// not NaN has round_block's bits; a NaN lane stays a NaN (its payload, not always 0xffff0000: the stores
+/// write torch's 0xffff for every NaN). Not for blocks that take an operand of another type (a float weight
+/// can hold any NaN). At the AVX-512 levels it is round_block.
+template <class T, class V>
+inline V round_block_arith(V v) {
+#if !defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    const VU u = (VU)v;
+    return (VF)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+  }
+#endif
+  return round_block<T>(v);
+}
+
 /// Sum of a block's lanes.
 template <class V>
 inline auto lane_sum(V v) {
@@ -477,15 +496,17 @@ inline VF clamp_block(VF x, float lo, float hi) {
   return _mm_min_ps(_mm_max_ps(x, _mm_set1_ps(lo)), _mm_set1_ps(hi));
 #endif
 }
-/// e^-x for a float block (sigmoid's only need; negating inside saves an instruction), overflowing to +inf
-/// where e^-x exceeds FLT_MAX (x below -88.72), as eager's exp does: SiLU's x / (1 + e^-x) then gives eager's
-/// -0 for huge negative x and NaN for -inf. -x = n ln2 + r with |r| <= ln2/2; e^r by a degree-5 minimax
-/// polynomial (relative error < 2e-7 for results above FLT_MIN; Horner, because the loops keep enough blocks
-/// in flight that instruction count, not latency, bounds them), times 2^n. x is clamped first so that
-/// infinities never reach the reduction (inf - inf would make a NaN): past the clamp the result is +inf or
+/// 1 + e^-x for a float block (the denominator of sigmoid and SiLU, their only need; negating inside saves an
+/// instruction), e^-x overflowing to +inf where it exceeds FLT_MAX (x below -88.72), as eager's exp does:
+/// SiLU's x / (1 + e^-x) then gives eager's -0 for huge negative x and NaN for -inf. -x = n ln2 + r with |r|
+/// <= ln2/2; e^r by a degree-5 minimax polynomial (relative error < 2e-7 for results above FLT_MIN), times
+/// 2^n. The polynomial is evaluated as two halves in s^2 (twelve cycles of dependent multiply-adds, not
+/// Horner's twenty): on a Zen 3 core the loops were bound by how many blocks the core keeps in flight times
+/// each block's latency, not by instruction count (docs/performance.md, "SiLU's exp"). x is clamped first so
+/// that infinities never reach the reduction (inf - inf would make a NaN): past the clamp e^-x is +inf or
 /// below 2^-24, where 1 + e^-x is already exact. A NaN x gives a NaN or a finite value: every caller's result
 /// also takes x itself, which carries the NaN.
-inline VF exp_neg_block(VF x) {
+inline VF one_plus_exp_neg(VF x) {
   const float log2e = 1.44269504088896341f;
   const float ln2_hi = 0.693145751953125f;  // ln2 split into a part exact in float (times any n) and the rest
   const float ln2_lo = 1.428606765330187e-06f;
@@ -494,6 +515,7 @@ inline VF exp_neg_block(VF x) {
   // any n: results past FLT_MAX become +inf, those below FLT_MIN subnormal (below 2^-149, zero).
   x = _mm512_range_ps(x, _mm512_set1_ps(104.0f), 0x02);
   VF n = _mm512_roundscale_ps(x * -log2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  constexpr float k = 1.0f;  // the polynomial's scale (below)
 #else
   // The integer scaling below builds 2^(n-1), whose exponent field holds n - 1 in [-125, 127]: n <= 128 (x >=
   // -89, e^89 being past FLT_MAX already) and n >= -124 (x <= 85, e^-85 being below 2^-24 already).
@@ -501,31 +523,33 @@ inline VF exp_neg_block(VF x) {
   // Adding 1.5 * 2^23 rounds to an integer, which then sits in the low mantissa bits of t.
   VF t = madd(x, VF{} - log2e, VF{} + 12582912.0f);
   VF n = t - 12582912.0f;
+  // The polynomial times 2 (every coefficient doubled: exact, the same roundings), so that 2p * 2^(n-1) + 1
+  // is one multiply-add: the same bits as rounding p * 2^n (exact for normal results) and adding 1.
+  constexpr float k = 2.0f;
 #endif
   VF s = madd(n, VF{} + ln2_hi, x);  // s = -r
   s = madd(n, VF{} + ln2_lo, s);
   // e^r = c0 + c1 r + ... + c5 r^5, evaluated in s, so the odd coefficients change sign.
-  VF p = VF{} - 8.2976194662806e-3f;
-  p = madd(p, s, VF{} + 4.1915629250567e-2f);
-  p = madd(p, s, VF{} - 1.6667576541808804e-1f);
-  p = madd(p, s, VF{} + 4.9998892661192695e-1f);
-  p = madd(p, s, VF{} - 9.999996910699437e-1f);
-  p = madd(p, s, VF{} + 1.0000000718663848f);
+  const VF s2 = s * s;
+  const VF p45 = madd(VF{} - k * 8.2976194662806e-3f, s, VF{} + k * 4.1915629250567e-2f);
+  const VF p23 = madd(VF{} - k * 1.6667576541808804e-1f, s, VF{} + k * 4.9998892661192695e-1f);
+  const VF p01 = madd(VF{} - k * 9.999996910699437e-1f, s, VF{} + k * 1.0000000718663848f);
+  const VF p = madd(madd(p45, s2, p23), s2, p01);
 #if defined(__AVX512F__)
-  return _mm512_scalef_ps(p, n);
+  return 1 + _mm512_scalef_ps(p, n);
 #else
   // t's bits are those of 1.5 * 2^23 plus n; shifted by 23 only n's bits survive, giving n - 1 as an
-  // exponent. The last factor 2 is a float multiply, so a result past FLT_MAX rounds to +inf.
-  return p * (VF)(((VI)t + 126) << 23) * 2.0f;
+  // exponent. A product past FLT_MAX rounds to +inf.
+  return madd(p, (VF)(((VI)t + 126) << 23), VF{} + 1.0f);
 #endif
 }
-inline VD exp_neg_block(VD x) {
-  for (int j = 0; j < kBlock; ++j) x[j] = std::exp(-x[j]);
+inline VD one_plus_exp_neg(VD x) {
+  for (int j = 0; j < kBlock; ++j) x[j] = 1 + std::exp(-x[j]);
   return x;
 }
-inline float exp_neg_scalar(float x) {
+inline float one_plus_exp_neg(float x) {
   VF v = VF{} + x;
-  return exp_neg_block(v)[0];
+  return one_plus_exp_neg(v)[0];
 }
 
 // SiLU and sigmoid with eager's arithmetic: true divisions, not a reciprocal estimate. Eager's edge values
@@ -536,10 +560,10 @@ inline float exp_neg_scalar(float x) {
 /// silu(x) = x / (1 + e^-x), for blocks and scalars.
 template <class V>
 inline V silu_of(V x) {
-  return x / (1 + exp_neg_block(x));
+  return x / one_plus_exp_neg(x);
 }
 inline float silu_scalar(float x) {
-  return x / (1.0f + exp_neg_scalar(x));
+  return x / one_plus_exp_neg(x);
 }
 inline double silu_scalar(double x) {
   return x / (1.0 + std::exp(-x));
@@ -548,10 +572,10 @@ inline double silu_scalar(double x) {
 /// sigmoid(x) = 1 / (1 + e^-x), for blocks and scalars.
 template <class V>
 inline V sigmoid(V x) {
-  return 1 / (1 + exp_neg_block(x));
+  return 1 / one_plus_exp_neg(x);
 }
 inline float sigmoid_scalar(float x) {
-  return 1.0f / (1.0f + exp_neg_scalar(x));
+  return 1.0f / one_plus_exp_neg(x);
 }
 inline double sigmoid_scalar(double x) {
   return 1.0 / (1.0 + std::exp(-x));
