@@ -49,13 +49,15 @@ A* row_scratch(int64_t n) {
 }
 
 // The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X), fetching the row
-// the first pass reads next (the first pass is light enough to run at memory speed; this one is not).
+// the first pass reads next (the first pass is light enough to run at memory speed; this one is not). h and
+// r are made of X elements and the finite eps alone, so the rounding needs no NaN select (round_block_arith);
+// the weight, a float of any value, comes after it.
 template <bool Stream, class X, class S, class N, class Y>
 void normalize_row(const S& src, const N& next, const Acc<X>* w, Y* y, Acc<X> rs, int64_t H) {
   const int64_t Hb = H - H % kBlock;
   for (int64_t i = 0; i < Hb; i += kBlock) {
     next.prefetch_block(i);
-    Vec<Acc<X>> n = round_block<X>(src.block(i) * rs);
+    Vec<Acc<X>> n = round_block_arith<X>(src.block(i) * rs);
     store_out<Stream>(y + i, load<Acc<X>>(w + i) * n);
   }
   for (int64_t i = Hb; i < H; ++i) y[i] = from_acc<Y>(w[i] * round_to<X>(src.at(i) * rs));
@@ -84,7 +86,7 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
       V h = src.block(i);
       if constexpr (Add) {
         store_out<Stream>(sr + i, h);
-        h = round_block<X>(h);
+        h = round_block_arith<X>(h);
         store(hrow + i, h);
       }
       acc = madd(h, h, acc);
