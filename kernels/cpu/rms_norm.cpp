@@ -48,6 +48,24 @@ A* row_scratch(int64_t n) {
   return buf.data();
 }
 
+// The sum over a row's blocks that each pass's first loop accumulates (a sum of squares, a dot product):
+// step(i, acc) adds block i's products into acc by madd. Four accumulators, blocks i, i + 1, i + 2, i + 3 of
+// each group into the four (the rest into the first), summed pairwise at the end: one accumulator made the
+// loop wait on the multiply-add's latency every block (docs/performance.md, "RMSNorm's row sums"). The order
+// depends on the row length alone, so the bits do not depend on threads.
+template <class V, class Step>
+inline V accumulate_blocks(int64_t Hb, Step&& step) {
+  constexpr int kAcc = 4;
+  V acc[kAcc] = {};
+  int64_t i = 0;
+  for (; i + kAcc * kBlock <= Hb; i += kAcc * kBlock) {
+#pragma GCC unroll 4
+    for (int j = 0; j < kAcc; ++j) step(i + j * kBlock, acc[j]);
+  }
+  for (; i < Hb; i += kBlock) step(i, acc[0]);
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
 // The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X), fetching the row
 // the first pass reads next (the first pass is light enough to run at memory speed; this one is not). h and
 // r are made of X elements and the finite eps alone, so the rounding needs no NaN select (round_block_arith);
@@ -81,16 +99,15 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
     const Source<Add, X> next{x + rn * xs, Add ? res + rn * res_s : nullptr};
     Y* yr = y + r * H;
     X* sr = Add ? sum + r * H : nullptr;
-    V acc{};
-    for (int64_t i = 0; i < Hb; i += kBlock) {
+    const V acc = accumulate_blocks<V>(Hb, [&](int64_t i, V& a) {
       V h = src.block(i);
       if constexpr (Add) {
         store_out<Stream>(sr + i, h);
         h = round_block_arith<X>(h);
         store(hrow + i, h);
       }
-      acc = madd(h, h, acc);
-    }
+      a = madd(h, h, a);
+    });
     A ss = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
       A v = src.at(i);
@@ -129,16 +146,15 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     X* dxr = dx + r * H;
     const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
     const A rs = rstd[r];
-    V acc{};
-    for (int64_t i = 0; i < Hb; i += kBlock) {
+    const V acc = accumulate_blocks<V>(Hb, [&](int64_t i, V& a) {
       if constexpr (Add) prefetch(dsr + i);
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
       V g = round_block<X>(d * load<A>(w + i));
-      acc = madd(g, h, acc);
+      a = madd(g, h, a);
       store(dw + i, madd(d, round_block<X>(h * rs), load<A>(dw + i)));
       store(grow + i, g);
-    }
+    });
     A dot = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
       A h = to_acc<A>(xr[i]);
