@@ -21,7 +21,33 @@ template <bool Backward, bool Stream, class X>
 void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
   using A = Acc<X>;
   const int64_t hb = h - h % kBlock;
-  for (int64_t i = 0; i < hb; i += kBlock) {
+  int64_t i0 = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // bf16 at avx2: two blocks a step, every input and output through the paired load and store (vec.h).
+  if constexpr (std::is_same_v<X, BFloat16>) {
+    for (; i0 + 2 * kBlock <= hb; i0 += 2 * kBlock) {
+      VF x1[2], x2[2], ca[2], cb[2], sa[2], sb[2];
+      load_bf16_pair(x + i0, x1[0], x1[1]);
+      load_bf16_pair(x + h + i0, x2[0], x2[1]);
+      load_bf16_pair(c + i0, ca[0], ca[1]);
+      load_bf16_pair(c + h + i0, cb[0], cb[1]);
+      load_bf16_pair(s + (Backward ? h + i0 : i0), sa[0], sa[1]);
+      load_bf16_pair(s + (Backward ? i0 : h + i0), sb[0], sb[1]);
+      VF lo[2], hi[2];
+      for (int j = 0; j < 2; ++j) {
+        if constexpr (Backward) {
+          sa[j] = -sa[j];
+          sb[j] = -sb[j];
+        }
+        lo[j] = round_block_arith<X>(x1[j] * ca[j]) - round_block_arith<X>(x2[j] * sa[j]);
+        hi[j] = round_block_arith<X>(x2[j] * cb[j]) + round_block_arith<X>(x1[j] * sb[j]);
+      }
+      store_bf16_pair<Stream>(y + i0, lo[0], lo[1]);
+      store_bf16_pair<Stream>(y + h + i0, hi[0], hi[1]);
+    }
+  }
+#endif
+  for (int64_t i = i0; i < hb; i += kBlock) {
     const Vec<A> x1 = load<A>(x + i), x2 = load<A>(x + h + i);
     const Vec<A> sa = Backward ? -load<A>(s + h + i) : load<A>(s + i);
     const Vec<A> sb = Backward ? -load<A>(s + i) : load<A>(s + h + i);

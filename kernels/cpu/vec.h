@@ -280,6 +280,33 @@ inline void store_native(Float16* p, VF v) {
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Two blocks of bfloat16 at once (avx2): 16 elements from one 32-byte load, widened by one unpack each into
+// two float blocks in lane order — lo holds elements 0-3 and 8-11, hi 4-7 and 12-15 — and packed back in
+// order by two shifts and one vpackusdw. Two single blocks cost two loads and two shuffles to widen and two
+// shuffles and two lane-crossing vpermq to pack; the paired loops ran 12-17 % faster (docs/performance.md,
+// "bf16 elementwise rows"). For elementwise kernels whose every bf16 input and output goes through these (the
+// lanes then line up); the values and bits are those of load and store.
+inline void load_bf16_pair(const BFloat16* p, VF& lo, VF& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = (VF)_mm256_unpacklo_epi16(_mm256_setzero_si256(), v);
+  hi = (VF)_mm256_unpackhi_epi16(_mm256_setzero_si256(), v);
+}
+/// Rounds lo and hi (lane order, as load_bf16_pair gives them) and stores the 16 elements in order; streamed
+/// as two 16-byte halves when Stream (p aligned as can_stream checks).
+template <bool Stream>
+inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
+  const __m256i r = _mm256_packus_epi32(_mm256_srli_epi32((__m256i)bf16_round_high(lo), 16),
+                                        _mm256_srli_epi32((__m256i)bf16_round_high(hi), 16));
+  if constexpr (Stream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(r));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_extracti128_si256(r, 1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), r);
+  }
+}
+#endif
+
 /// Asks for the cache line holding p now, to be read soon (a hint: it never faults, and costs one load slot).
 /// For the next row of a two-pass row kernel, fetched during the current row's compute-bound pass: the
 /// hardware prefetchers run only a few lines ahead of the loads they see, so the next row would otherwise
