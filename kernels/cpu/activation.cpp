@@ -114,6 +114,12 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
                            int64_t dgs, T* du, int64_t dus, int64_t r0, int64_t r1, int64_t n) {
   using A = Acc<T>;
   const int64_t nb = n - n % kBlock;
+  // One block's math, for the paired and the single blocks alike.
+  const auto grads = [](auto d, auto a, auto b, auto& u_grad, auto& g_grad) {
+    const auto sg = sigmoid(a);
+    u_grad = d * round_block_arith<T>(a * sg);
+    g_grad = round_block_arith<T>(d * b) * (sg * (1 + a * (1 - sg)));
+  };
   for (int64_t r = r0; r < r1; ++r) {
     const T* dyr = dy + r * dys;
     const T* gr = g + r * gs;
@@ -128,22 +134,17 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
         load_bf16_pair(dyr + i, d[0], d[1]);
         load_bf16_pair(gr + i, a[0], a[1]);
         load_bf16_pair(ur + i, b[0], b[1]);
-        for (int j = 0; j < 2; ++j) {
-          const VF sg = sigmoid(a[j]);
-          u_grad[j] = d[j] * round_block_arith<T>(a[j] * sg);
-          g_grad[j] = round_block_arith<T>(d[j] * b[j]) * (sg * (1 + a[j] * (1 - sg)));
-        }
+        for (int j = 0; j < 2; ++j) grads(d[j], a[j], b[j], u_grad[j], g_grad[j]);
         store_bf16_pair<Stream>(dur + i, u_grad[0], u_grad[1]);
         store_bf16_pair<Stream>(dgr + i, g_grad[0], g_grad[1]);
       }
     }
 #endif
     for (; i < nb; i += kBlock) {
-      auto d = load<A>(dyr + i);
-      auto a = load<A>(gr + i);
-      auto sg = sigmoid(a);
-      store_out<Stream>(dur + i, d * round_block_arith<T>(a * sg));
-      store_out<Stream>(dgr + i, round_block_arith<T>(d * load<A>(ur + i)) * (sg * (1 + a * (1 - sg))));
+      Vec<A> u_grad, g_grad;
+      grads(load<A>(dyr + i), load<A>(gr + i), load<A>(ur + i), u_grad, g_grad);
+      store_out<Stream>(dur + i, u_grad);
+      store_out<Stream>(dgr + i, g_grad);
     }
     for (int64_t i = nb; i < n; ++i) {
       A d = to_acc<A>(dyr[i]);

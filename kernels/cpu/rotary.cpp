@@ -21,6 +21,11 @@ template <bool Backward, bool Stream, class X>
 void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
   using A = Acc<X>;
   const int64_t hb = h - h % kBlock;
+  // One block pair's math (the two output halves), for the paired and the single blocks alike.
+  const auto rotate = [](auto x1, auto x2, auto ca, auto cb, auto sa, auto sb, auto& lo, auto& hi) {
+    lo = round_block_arith<X>(x1 * ca) - round_block_arith<X>(x2 * sa);
+    hi = round_block_arith<X>(x2 * cb) + round_block_arith<X>(x1 * sb);
+  };
   int64_t i0 = 0;
 #if defined(__AVX2__) && !defined(__AVX512F__)
   // bf16 at avx2: two blocks a step, every input and output through the paired load and store (vec.h).
@@ -39,8 +44,7 @@ void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
           sa[j] = -sa[j];
           sb[j] = -sb[j];
         }
-        lo[j] = round_block_arith<X>(x1[j] * ca[j]) - round_block_arith<X>(x2[j] * sa[j]);
-        hi[j] = round_block_arith<X>(x2[j] * cb[j]) + round_block_arith<X>(x1[j] * sb[j]);
+        rotate(x1[j], x2[j], ca[j], cb[j], sa[j], sb[j], lo[j], hi[j]);
       }
       store_bf16_pair<Stream>(y + i0, lo[0], lo[1]);
       store_bf16_pair<Stream>(y + h + i0, hi[0], hi[1]);
@@ -51,9 +55,10 @@ void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
     const Vec<A> x1 = load<A>(x + i), x2 = load<A>(x + h + i);
     const Vec<A> sa = Backward ? -load<A>(s + h + i) : load<A>(s + i);
     const Vec<A> sb = Backward ? -load<A>(s + i) : load<A>(s + h + i);
-    store_out<Stream>(y + i, round_block_arith<X>(x1 * load<A>(c + i)) - round_block_arith<X>(x2 * sa));
-    store_out<Stream>(y + h + i,
-                      round_block_arith<X>(x2 * load<A>(c + h + i)) + round_block_arith<X>(x1 * sb));
+    Vec<A> lo, hi;
+    rotate(x1, x2, load<A>(c + i), load<A>(c + h + i), sa, sb, lo, hi);
+    store_out<Stream>(y + i, lo);
+    store_out<Stream>(y + h + i, hi);
   }
   for (int64_t i = hb; i < h; ++i) {
     const A x1 = to_acc<A>(x[i]), x2 = to_acc<A>(x[h + i]);
