@@ -14,16 +14,11 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
     T* yr = y + r * n;
-    int64_t i = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      for (; i + 2 * kBlock <= nb; i += 2 * kBlock) {
-        VF v[2];
-        load_bf16_pair(xr + i, v[0], v[1]);
-        store_bf16_pair<Stream>(yr + i, silu_of(v[0]), silu_of(v[1]));
-      }
-    }
-#endif
+    int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
+      VF v[2];
+      load_bf16_pair(xr + p, v[0], v[1]);
+      store_bf16_pair<Stream>(yr + p, silu_of(v[0]), silu_of(v[1]));
+    });
     for (; i < nb; i += kBlock) {
       auto v = load<A>(xr + i);
       store_out<Stream>(yr + i, silu_of(v));
@@ -57,17 +52,12 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
     const T* xr = x + r * xs;
     const T* dyr = dy + r * dys;
     T* dxr = dx + r * n;
-    int64_t i = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      for (; i + 2 * kBlock <= nb; i += 2 * kBlock) {
-        VF d[2], v[2];
-        load_bf16_pair(dyr + i, d[0], d[1]);
-        load_bf16_pair(xr + i, v[0], v[1]);
-        store_bf16_pair<Stream>(dxr + i, d[0] * dsilu(v[0]), d[1] * dsilu(v[1]));
-      }
-    }
-#endif
+    int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
+      VF d[2], v[2];
+      load_bf16_pair(dyr + p, d[0], d[1]);
+      load_bf16_pair(xr + p, v[0], v[1]);
+      store_bf16_pair<Stream>(dxr + p, d[0] * dsilu(v[0]), d[1] * dsilu(v[1]));
+    });
     for (; i < nb; i += kBlock) store_out<Stream>(dxr + i, load<A>(dyr + i) * dsilu(load<A>(xr + i)));
     for (int64_t i = nb; i < n; ++i) dxr[i] = from_acc<T>(to_acc<A>(dyr[i]) * dsilu_scalar(to_acc<A>(xr[i])));
   }
@@ -83,18 +73,13 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
     const T* gr = g + r * gs;
     const T* ur = u + r * us;
     T* yr = y + r * n;
-    int64_t i = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      for (; i + 2 * kBlock <= nb; i += 2 * kBlock) {
-        VF a[2], b[2];
-        load_bf16_pair(gr + i, a[0], a[1]);
-        load_bf16_pair(ur + i, b[0], b[1]);
-        store_bf16_pair<Stream>(yr + i, round_block_arith<T>(silu_of(a[0])) * b[0],
-                                round_block_arith<T>(silu_of(a[1])) * b[1]);
-      }
-    }
-#endif
+    int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
+      VF a[2], b[2];
+      load_bf16_pair(gr + p, a[0], a[1]);
+      load_bf16_pair(ur + p, b[0], b[1]);
+      store_bf16_pair<Stream>(yr + p, round_block_arith<T>(silu_of(a[0])) * b[0],
+                              round_block_arith<T>(silu_of(a[1])) * b[1]);
+    });
     for (; i < nb; i += kBlock) {
       auto a = load<A>(gr + i);
       store_out<Stream>(yr + i, round_block_arith<T>(silu_of(a)) * load<A>(ur + i));
@@ -126,20 +111,15 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
     const T* ur = u + r * us;
     T* dgr = dg + r * dgs;
     T* dur = du + r * dus;
-    int64_t i = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, BFloat16>) {
-      for (; i + 2 * kBlock <= nb; i += 2 * kBlock) {
-        VF d[2], a[2], b[2], u_grad[2], g_grad[2];
-        load_bf16_pair(dyr + i, d[0], d[1]);
-        load_bf16_pair(gr + i, a[0], a[1]);
-        load_bf16_pair(ur + i, b[0], b[1]);
-        for (int j = 0; j < 2; ++j) grads(d[j], a[j], b[j], u_grad[j], g_grad[j]);
-        store_bf16_pair<Stream>(dur + i, u_grad[0], u_grad[1]);
-        store_bf16_pair<Stream>(dgr + i, g_grad[0], g_grad[1]);
-      }
-    }
-#endif
+    int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
+      VF d[2], a[2], b[2], u_grad[2], g_grad[2];
+      load_bf16_pair(dyr + p, d[0], d[1]);
+      load_bf16_pair(gr + p, a[0], a[1]);
+      load_bf16_pair(ur + p, b[0], b[1]);
+      for (int j = 0; j < 2; ++j) grads(d[j], a[j], b[j], u_grad[j], g_grad[j]);
+      store_bf16_pair<Stream>(dur + p, u_grad[0], u_grad[1]);
+      store_bf16_pair<Stream>(dgr + p, g_grad[0], g_grad[1]);
+    });
     for (; i < nb; i += kBlock) {
       Vec<A> u_grad, g_grad;
       grads(load<A>(dyr + i), load<A>(gr + i), load<A>(ur + i), u_grad, g_grad);

@@ -26,31 +26,26 @@ void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
     lo = round_block_arith<X>(x1 * ca) - round_block_arith<X>(x2 * sa);
     hi = round_block_arith<X>(x2 * cb) + round_block_arith<X>(x1 * sb);
   };
-  int64_t i0 = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
   // bf16 at avx2: two blocks a step, every input and output through the paired load and store (vec.h).
-  if constexpr (std::is_same_v<X, BFloat16>) {
-    for (; i0 + 2 * kBlock <= hb; i0 += 2 * kBlock) {
-      VF x1[2], x2[2], ca[2], cb[2], sa[2], sb[2];
-      load_bf16_pair(x + i0, x1[0], x1[1]);
-      load_bf16_pair(x + h + i0, x2[0], x2[1]);
-      load_bf16_pair(c + i0, ca[0], ca[1]);
-      load_bf16_pair(c + h + i0, cb[0], cb[1]);
-      load_bf16_pair(s + (Backward ? h + i0 : i0), sa[0], sa[1]);
-      load_bf16_pair(s + (Backward ? i0 : h + i0), sb[0], sb[1]);
-      VF lo[2], hi[2];
-      for (int j = 0; j < 2; ++j) {
-        if constexpr (Backward) {
-          sa[j] = -sa[j];
-          sb[j] = -sb[j];
-        }
-        rotate(x1[j], x2[j], ca[j], cb[j], sa[j], sb[j], lo[j], hi[j]);
+  const int64_t i0 = paired_bf16_blocks<X>(hb, [&](auto i) {
+    VF x1[2], x2[2], ca[2], cb[2], sa[2], sb[2];
+    load_bf16_pair(x + i, x1[0], x1[1]);
+    load_bf16_pair(x + h + i, x2[0], x2[1]);
+    load_bf16_pair(c + i, ca[0], ca[1]);
+    load_bf16_pair(c + h + i, cb[0], cb[1]);
+    load_bf16_pair(s + (Backward ? h + i : i), sa[0], sa[1]);
+    load_bf16_pair(s + (Backward ? i : h + i), sb[0], sb[1]);
+    VF lo[2], hi[2];
+    for (int j = 0; j < 2; ++j) {
+      if constexpr (Backward) {
+        sa[j] = -sa[j];
+        sb[j] = -sb[j];
       }
-      store_bf16_pair<Stream>(y + i0, lo[0], lo[1]);
-      store_bf16_pair<Stream>(y + h + i0, hi[0], hi[1]);
+      rotate(x1[j], x2[j], ca[j], cb[j], sa[j], sb[j], lo[j], hi[j]);
     }
-  }
-#endif
+    store_bf16_pair<Stream>(y + i, lo[0], lo[1]);
+    store_bf16_pair<Stream>(y + h + i, hi[0], hi[1]);
+  });
   for (int64_t i = i0; i < hb; i += kBlock) {
     const Vec<A> x1 = load<A>(x + i), x2 = load<A>(x + h + i);
     const Vec<A> sa = Backward ? -load<A>(s + h + i) : load<A>(s + i);

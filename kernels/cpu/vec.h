@@ -307,6 +307,23 @@ inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
 }
 #endif
 
+/// The paired blocks of a bf16 row at avx2 (load_bf16_pair, store_bf16_pair): calls pair(i) for i = 0, 2
+/// kBlock,
+/// ... while two blocks fit below nb and returns where the single blocks resume; at the other levels and for
+/// other types it calls nothing and returns 0. pair takes its index as `auto`, so its body (which names the
+/// avx2-only pair functions) is compiled only where it runs.
+template <class T, class Pair>
+inline int64_t paired_bf16_blocks(int64_t nb, Pair&& pair) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    int64_t i = 0;
+    for (; i + 2 * kBlock <= nb; i += 2 * kBlock) pair(i);
+    return i;
+  }
+#endif
+  return 0;
+}
+
 /// Asks for the cache line holding p now, to be read soon (a hint: it never faults, and costs one load slot).
 /// For the next row of a two-pass row kernel, fetched during the current row's compute-bound pass: the
 /// hardware prefetchers run only a few lines ahead of the loads they see, so the next row would otherwise
