@@ -747,9 +747,37 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // B's row pairs in every row block (the contiguous copy also keeps it in the level-1 cache, as pack_panel
   // does).
   const bool inter = kDp && step_p >= P && row_blocks_n >= kInterleaveRowBlocks;
-  const bool pack_panel =
-      !inter && step_p >= P && P <= 64 && M >= 8 * kBcastRows && (ldb * int64_t(sizeof(T))) % 4096 == 0;
-  for (int64_t p0 = 0; p0 < std::max<int64_t>(P, 1); p0 += step_p) {
+  // A short reduction read by many row blocks (the fp32 weight gradients of small groups), B's full-width
+  // rows within the level-2 rule's bytes: all of B's panels copied once, each contiguous, then row blocks
+  // outer and panels inner, so C is written along its rows, a row block's lines one after another. Panels
+  // outer wrote each panel's column of C down its rows, every line on another DRAM page: streaming 1.6 GB in
+  // that order ran at 13.5 GB/s against 21.9 along the rows (zen3-vm), and the weight gradient of gate_up at
+  // 16 rows a group took 158 against 185 ms. fp32 only: the other types' blocks, inlined once more, compiled
+  // slower (bf16 at avx2 106-110 -> 172-188 ms with the order unchanged), and their rows are not streamed
+  // below AVX-512 (docs/performance.md, "gemm_bcast reduction blocks").
+  constexpr bool kRowsOuter = std::is_same_v<T, float>;
+  bool rows_outer = false;
+  if constexpr (kRowsOuter) {
+    rows_outer = step_p >= P && P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
+                 P * Nw * int64_t(sizeof(T)) <= l2_block_bytes();
+    if (rows_outer) {
+      T* slab = scratch<T, 2>(P * Nw);  // panel n (wide columns) at slab + n * P, its P rows contiguous
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t n = 0; n < Nw; n += wide)
+          std::memcpy(slab + n * P + p * wide, B + p * ldb + n, wide * sizeof(T));
+      const Partial<Ac> whole{nullptr, 0, false, false};
+      row_blocks(M, [&](auto rows, int64_t m) {
+        constexpr int MR = decltype(rows)::value;
+        const TA* a = a_block(m, MR, 0);
+        for (int64_t n = 0; n < Nw; n += wide)
+          bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, a_m, a_p, slab + n * P, wide,
+                                                                 C + m * ldc + n, ldc, P, whole, false);
+      });
+    }
+  }
+  const bool pack_panel = !rows_outer && !inter && step_p >= P && P <= 64 && M >= 8 * kBcastRows &&
+                          (ldb * int64_t(sizeof(T))) % 4096 == 0;
+  for (int64_t p0 = 0; p0 < (rows_outer ? 0 : std::max<int64_t>(P, 1)); p0 += step_p) {
     const int64_t pn = std::min(step_p, P - p0);
     const bool resume = p0 > 0, park = p0 + pn < P;
     // While this reduction block is computed, the next one is fetched in memory order (whole rows of the
