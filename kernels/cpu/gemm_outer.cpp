@@ -747,15 +747,16 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // B's row pairs in every row block (the contiguous copy also keeps it in the level-1 cache, as pack_panel
   // does).
   const bool inter = kDp && step_p >= P && row_blocks_n >= kInterleaveRowBlocks;
-  // A short reduction read by many row blocks (the fp32 weight gradients of small groups), B's full-width
-  // rows within the level-2 rule's bytes: all of B's panels copied once, each contiguous, then row blocks
-  // outer and panels inner, so C is written along its rows, a row block's lines one after another. Panels
-  // outer wrote each panel's column of C down its rows, every line on another DRAM page: streaming 1.6 GB in
-  // that order ran at 13.5 GB/s against 21.9 along the rows (zen3-vm), and the weight gradient of gate_up at
-  // 16 rows a group took 158 against 185 ms. fp32 only: the other types' blocks, inlined once more, compiled
-  // slower (bf16 at avx2 106-110 -> 172-188 ms with the order unchanged), and their rows are not streamed
-  // below AVX-512 (docs/performance.md, "gemm_bcast reduction blocks").
-  constexpr bool kRowsOuter = std::is_same_v<T, float>;
+  // A short reduction read by many row blocks (the fp32 weight gradients of small groups) with C streamed,
+  // B's full-width rows within the level-2 rule's bytes: all of B's panels copied once, each contiguous, then
+  // row blocks outer and panels inner, so C is written along its rows, a row block's lines one after another.
+  // Panels outer streamed each panel's column of C down its rows, every line on another DRAM page: 1.6 GB
+  // written in that order ran at 13.5 GB/s against 21.9 along the rows (zen3-vm), and the weight gradient of
+  // gate_up at 16 rows a group took 181-190 against 161-175 ms. Streamed fp32 only: with plain stores
+  // (baseline) the panels-outer order, its panel in L1, ran 4 % faster, and the other types' blocks, inlined
+  // once more, compiled slower (bf16 at avx2 106-110 -> 172-188 ms with the order unchanged;
+  // docs/performance.md, "gemm_bcast reduction blocks").
+  constexpr bool kRowsOuter = Stream && std::is_same_v<T, float>;
   bool rows_outer = false;
   if constexpr (kRowsOuter) {
     rows_outer = step_p >= P && P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
