@@ -110,6 +110,10 @@ int64_t l2_block_bytes() {
   return bytes;
 }
 
+int64_t short_reduction_bytes(int64_t elem_size) {
+  return elem_size == 4 ? 2 * l2_block_bytes() : l2_block_bytes();
+}
+
 namespace {
 
 bool cpu_has_bf16_gemm() {

@@ -38,6 +38,13 @@ int64_t usable_l3_bytes();
 /// measurements.
 int64_t l2_block_bytes();
 
+/// The most bytes of a weight gradient's reduction (its rows of the second operand over all output columns)
+/// computed in one pass over 512-row tasks: half of one core's L2 for 4-byte elements, whose streamed blocks
+/// read those rows from one contiguous copy made per task (kernels/cpu/gemm_outer.cpp, kRowsOuter), and
+/// l2_block_bytes for the other sizes. The task sizes of ops/grouped_mm.cpp and the kernel read the same
+/// rule.
+int64_t short_reduction_bytes(int64_t elem_size);
+
 /// Whether torch's bf16 matrix product (at::mm and friends) runs at least at its fp32 rate: the CPU has bf16
 /// dot products (AVX512-BF16, AMX-BF16) or AVX-NE-CONVERT's widening loads, which oneDNN uses. Elsewhere
 /// torch's bf16 product is far slower than its fp32 one: a scalar loop without AVX-512, oneDNN's software

@@ -748,19 +748,22 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // does).
   const bool inter = kDp && step_p >= P && row_blocks_n >= kInterleaveRowBlocks;
   // A short reduction read by many row blocks (the fp32 weight gradients of small groups) with C streamed,
-  // B's full-width rows within the level-2 rule's bytes: all of B's panels copied once, each contiguous, then
-  // row blocks outer and panels inner, so C is written along its rows, a row block's lines one after another.
-  // Panels outer streamed each panel's column of C down its rows, every line on another DRAM page: 1.6 GB
-  // written in that order ran at 13.5 GB/s against 21.9 along the rows (zen3-vm), and the weight gradient of
-  // gate_up at 16 rows a group took 181-190 against 161-175 ms. Streamed fp32 only: with plain stores
-  // (baseline) the panels-outer order, its panel in L1, ran 4 % faster, and the other types' blocks, inlined
-  // once more, compiled slower (bf16 at avx2 106-110 -> 172-188 ms with the order unchanged;
-  // docs/performance.md, "gemm_bcast reduction blocks").
+  // B's full-width rows within short_reduction_bytes (half of L2; kernels/cpu/cache.h): all of B's panels
+  // copied once, each contiguous, then row blocks outer and panels inner, in one pass whatever step_p, so C
+  // is written along its rows, a row block's lines one after another. Panels outer streamed each panel's
+  // column of C down its rows, every line on another DRAM page: 1.6 GB written in that order ran at 13.5 GB/s
+  // against 21.9 along the rows (zen3-vm), and the weight gradient of gate_up at 16 rows a group took 181-190
+  // against 161-175 ms. Reading B in place also made every load share its address's low 12 bits with a
+  // streamed store where B's and C's rows are both 4 KiB-aligned (two buffers of the large-block cache, as in
+  // the experts' backward): the loads waited on the stores, 280-290 against 157-175 ms; the copy has no such
+  // phase. Streamed fp32 only: with plain stores (baseline) the panels-outer order, its panel in L1, ran 4 %
+  // faster, and the other types' blocks, inlined once more, compiled slower (bf16 at avx2 106-110 -> 172-188
+  // ms with the order unchanged; docs/performance.md, "gemm_bcast reduction blocks").
   constexpr bool kRowsOuter = Stream && std::is_same_v<T, float>;
   bool rows_outer = false;
   if constexpr (kRowsOuter) {
-    rows_outer = step_p >= P && P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
-                 P * Nw * int64_t(sizeof(T)) <= l2_block_bytes();
+    rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
+                 P * Nw * int64_t(sizeof(T)) <= short_reduction_bytes(sizeof(T));
     if (rows_outer) {
       T* slab = scratch<T, 2>(P * Nw);  // panel n (wide columns) at slab + n * P, its P rows contiguous
       for (int64_t p = 0; p < P; ++p)
