@@ -436,6 +436,41 @@ def test_grouped_mm_backward_bit_identical_across_threads(dtype, counts):
     torch.testing.assert_close(results[0][1].double(), expected_gb, **tol(dtype, terms=max(counts)))
 
 
+def page_aligned(t):
+    """A copy of t whose data starts on a 4 KiB boundary (as the large-block cache's buffers do)."""
+    buf = torch.empty(t.numel() + 1024, dtype=t.dtype)
+    skip = (-buf.data_ptr() % 4096) // t.element_size()
+    out = buf[skip:skip + t.numel()].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 4096 == 0
+    return out
+
+
+@pytest.mark.parametrize("counts,N", [([150, 0, 200], 304), ([30, 33], 2048), ([5, 300, 60, 1], 771)])
+def test_grouped_mm_weight_grad_short_and_long_reductions(counts, N):
+    # fp32 weight gradients: groups whose rows of grad fit short_reduction_bytes run in one pass over a
+    # contiguous copy (row blocks outer), also where they are longer than the kernel's reduction block (150
+    # and 200 rows of 304 columns); longer ones block the reduction; N = 771 has tail columns and is not
+    # streamed. Every path sums each element in order of rows: the same bits at every thread count, and the
+    # float64 product within fp32's tolerance, with grad 4 KiB-aligned as well as not.
+    K = 100
+    offs = offsets(counts)
+    T = int(offs[-1])
+    a = torch.randn(T, K)
+    b = torch.randn(len(counts), K, N)
+    grad = torch.randn(T, N)
+    expected = torch.zeros(len(counts), K, N, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        expected[e] = a[start:end].double().t() @ grad[start:end].double()
+        start = end
+    for g in (grad, page_aligned(grad)):
+        results = at_thread_counts(lambda: torch.ops.kernmap.grouped_mm_backward(g, a, b, offs, [False, True])[1])
+        for r in results[1:]:
+            assert torch.equal(r, results[0])
+        torch.testing.assert_close(results[0].double(), expected, **tol(torch.float32, terms=max(counts)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b_layout", ["EKN", "transposed_ENK"])
 def test_grouped_mm_backward_computes_only_the_gradients_asked_for(dtype, b_layout):
