@@ -760,6 +760,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // faster, and the other types' blocks, inlined once more, compiled slower (bf16 at avx2 106-110 -> 172-188
   // ms with the order unchanged; docs/performance.md, "gemm_bcast reduction blocks").
   constexpr bool kRowsOuter = Stream && std::is_same_v<T, float>;
+  const Partial<Ac> whole{nullptr, 0, false, false};  // the whole reduction in one pass
   bool rows_outer = false;
   if constexpr (kRowsOuter) {
     rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
@@ -769,7 +770,6 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
       for (int64_t p = 0; p < P; ++p)
         for (int64_t n = 0; n < Nw; n += wide)
           std::memcpy(slab + n * P + p * wide, B + p * ldb + n, wide * sizeof(T));
-      const Partial<Ac> whole{nullptr, 0, false, false};
       row_blocks(M, [&](auto rows, int64_t m) {
         constexpr int MR = decltype(rows)::value;
         const TA* a = a_block(m, MR, 0);
@@ -885,7 +885,6 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
     }
   }
   // Leftover vectors and columns: one pass over the whole reduction, plain stores.
-  const Partial<Ac> whole{nullptr, 0, false, false};
   for (int64_t n = Nw; n < Nv; n += kBlock)
     row_blocks(M, [&](auto rows, int64_t m) {
       constexpr int MR = decltype(rows)::value;

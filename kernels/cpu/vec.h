@@ -307,11 +307,10 @@ inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
 }
 #endif
 
-/// The paired blocks of a bf16 row at avx2 (load_bf16_pair, store_bf16_pair): calls pair(i) for i = 0, 2
-/// kBlock,
-/// ... while two blocks fit below nb and returns where the single blocks resume; at the other levels and for
-/// other types it calls nothing and returns 0. pair takes its index as `auto`, so its body (which names the
-/// avx2-only pair functions) is compiled only where it runs.
+/// The paired blocks of a bf16 row at avx2 (load_bf16_pair, store_bf16_pair): calls pair(i) for i = 0,
+/// 2 kBlock, ... while two blocks fit below nb and returns where the single blocks resume; at the other
+/// levels and for other types it calls nothing and returns 0. pair takes its index as `auto`, so its body
+/// (which names the avx2-only pair functions) is compiled only where it runs.
 template <class T, class Pair>
 inline int64_t paired_bf16_blocks(int64_t nb, Pair&& pair) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
