@@ -25,6 +25,21 @@ constexpr int kBcastVecs = 4;
 constexpr int kBcastRows = 6;
 constexpr int kBcastVecs = 2;
 #endif
+// The register block of outer_blocks' row-order path (fp32 weight gradients with C streamed): at least two
+// adjacent cache lines of each of its rows of C. avx2's 6 x 2 writes one line to each of six rows a block,
+// and there (zen3-vm) the streamed stores did not overlap the multiply-adds: a synthetic weight gradient of
+// the same blocks, 2 threads, 1.6 GB written, ran 140-152 ms against 65-76 with no stores; 3 x 4 (two lines a
+// row) 84-95 against 71, 2 x 4 98-107, 3 x 2 133-140 (docs/performance.md, "gemm_bcast reduction blocks").
+// AVX-512's 4 x 4 writes four lines a row.
+#if defined(__AVX512F__)
+constexpr int kStreamRows = kBcastRows;
+constexpr int kStreamVecs = kBcastVecs;
+#else
+constexpr int kStreamRows = 3;
+constexpr int kStreamVecs = 4;
+#endif
+// The row-order path's last panel is one of kBcastVecs where Nw leaves part of a kStreamVecs one.
+static_assert(kStreamVecs == kBcastVecs || kStreamVecs == 2 * kBcastVecs);
 
 // Bytes of B per block of the reduction (rows of B's full-width column range): the level-2 rule of
 // kernels/cpu/cache.h, l2_block_bytes (the block being computed and the next one, fetched meanwhile, stay in
@@ -55,7 +70,9 @@ struct Partial {
   bool park;    // end by writing the sums back (else round into C)
 };
 
-// The calling thread's scratch for partial sums, grown on demand (a task's block: up to a few hundred KiB).
+// The calling thread's scratch for partial sums and copies, grown on demand (a task's block: up to a few
+// hundred KiB), starting on a cache line: the register blocks load whole vectors from it, and a vector
+// across two lines costs two loads.
 template <class Ac, int Tag = 0>
 Ac* scratch(int64_t n) {
   thread_local std::vector<Ac> buf;
@@ -135,13 +152,13 @@ void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb
       for (int j = 0; j < NV; ++j) acc[i][j] += a * b[j];
     }
   }
+  if (part.park) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) store_native(part.sums + i * part.ld + j * kBlock, acc[i][j]);
+    return;
+  }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) {
-      if (part.park)
-        store_native(part.sums + i * part.ld + j * kBlock, acc[i][j]);
-      else
-        store_out<Stream>(C + i * ldc + j * kBlock, acc[i][j]);
-    }
+    for (int j = 0; j < NV; ++j) store_out<Stream>(C + i * ldc + j * kBlock, acc[i][j]);
 }
 
 // bcast_block compiled as a function of its own (see its caller).
@@ -489,22 +506,22 @@ void bcast_tail(AOf&& a, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, 
     }
 }
 
-// Calls block(std::integral_constant<int, R>{}, m) for the R in [1, kBcastRows) equal to `rows`.
-template <int R, class Block>
+// Calls block(std::integral_constant<int, R>{}, m) for the R in [1, Rows) equal to `rows`.
+template <int R, int Rows, class Block>
 void leftover_block(int64_t rows, int64_t m, Block&& block) {
-  if constexpr (R < kBcastRows) {
+  if constexpr (R < Rows) {
     if (rows == R) return block(std::integral_constant<int, R>{}, m);
-    leftover_block<R + 1>(rows, m, block);
+    leftover_block<R + 1, Rows>(rows, m, block);
   }
 }
 
-// One column block of NV vectors for rows [0, M): row blocks of kBcastRows, then one block of the remaining
-// rows (a block per leftover row would read B once per row).
-template <class Block>
+// One column block of NV vectors for rows [0, M): row blocks of Rows (kBcastRows unless named), then one
+// block of the remaining rows (a block per leftover row would read B once per row).
+template <int Rows = kBcastRows, class Block>
 void row_blocks(int64_t M, Block&& block) {
-  const int64_t Mb = M - M % kBcastRows;
-  for (int64_t m = 0; m < Mb; m += kBcastRows) block(std::integral_constant<int, kBcastRows>{}, m);
-  leftover_block<1>(M - Mb, Mb, block);
+  const int64_t Mb = M - M % Rows;
+  for (int64_t m = 0; m < Mb; m += Rows) block(std::integral_constant<int, Rows>{}, m);
+  leftover_block<1, Rows>(M - Mb, Mb, block);
 }
 
 #if defined(__AMX_BF16__)
@@ -717,16 +734,42 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
     else
       return to_float(x);
   };
+  const int64_t row_blocks_n = (M + kBcastRows - 1) / kBcastRows, calls = Nw / wide * row_blocks_n;
+  // A short reduction read by many row blocks (the fp32 weight gradients of small groups) with C streamed,
+  // B's full-width rows within short_reduction_bytes (half of L2; kernels/cpu/cache.h): all of B's panels
+  // copied once, each contiguous, then row blocks outer and panels inner, in one pass whatever step_p, so C
+  // is written along its rows, a row block's lines one after another, by kStreamRows x kStreamVecs blocks.
+  // Panels outer streamed each panel's column of C down its rows, every line on another DRAM page: 1.6 GB
+  // written in that order ran at 13.5 GB/s against 21.9 along the rows (zen3-vm), and the weight gradient of
+  // gate_up at 16 rows a group took 181-190 against 161-175 ms. Reading B in place also made every load share
+  // its address's low 12 bits with a streamed store where B's and C's rows are both 4 KiB-aligned (two
+  // buffers of the large-block cache, as in the experts' backward): the loads waited on the stores, 280-290
+  // against 157-175 ms; the copy has no such phase. Streamed fp32 only: with plain stores (baseline) the
+  // panels-outer order, its panel in L1, ran 4 % faster, and the other types' blocks, inlined once more,
+  // compiled slower (bf16 at avx2 106-110 -> 172-188 ms with the order unchanged; docs/performance.md,
+  // "gemm_bcast reduction blocks").
+  constexpr bool kRowsOuter = Stream && std::is_same_v<T, float>;
+  bool rows_outer = false;
+  if constexpr (kRowsOuter)
+    rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
+                 P * Nw * int64_t(sizeof(T)) <= short_reduction_bytes(sizeof(T));
+  // The row order's register blocks (kStreamRows x kStreamVecs): A's copy and every register block of the
+  // call take the same row blocks.
+  const bool stream_blocks = rows_outer && kStreamRows != kBcastRows;
   const TA* A = nullptr;
   if constexpr (std::is_same_v<TA, T>) A = A_in;
   if constexpr (kABlock) {
     if (P > 0) {
       TA* packed = scratch<TA, 1>(M * P);
-      row_blocks(M, [&](auto rows, int64_t m) {
+      auto pack = [&](auto rows, int64_t m) {
         constexpr int R = decltype(rows)::value;
         for (int64_t p = 0; p < P; ++p)
           for (int i = 0; i < R; ++i) packed[m * P + p * R + i] = widen(A_in[(m + i) * a_m + p * a_p]);
-      });
+      };
+      if (stream_blocks)
+        row_blocks<kStreamRows>(M, pack);
+      else
+        row_blocks(M, pack);
       A = packed;
     }
   } else if (a_p != 1 && Nw > 0 && P > 0) {  // the dot-product blocks, which read A as T
@@ -741,43 +784,48 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   auto a_block = [&](int64_t m, int64_t mr, int64_t p) {
     return kABlock ? A + m * P + p * mr : A + m * a_m + p * a_p;
   };
-  const int64_t row_blocks_n = (M + kBcastRows - 1) / kBcastRows, calls = Nw / wide * row_blocks_n;
   // bf16 with the dot-product instruction (kDp): a short reduction's panel (P rows x 64 columns) is
   // interleaved once into scratch when kInterleaveRowBlocks or more row blocks read it, instead of unpacking
   // B's row pairs in every row block (the contiguous copy also keeps it in the level-1 cache, as pack_panel
   // does).
   const bool inter = kDp && step_p >= P && row_blocks_n >= kInterleaveRowBlocks;
-  // A short reduction read by many row blocks (the fp32 weight gradients of small groups) with C streamed,
-  // B's full-width rows within short_reduction_bytes (half of L2; kernels/cpu/cache.h): all of B's panels
-  // copied once, each contiguous, then row blocks outer and panels inner, in one pass whatever step_p, so C
-  // is written along its rows, a row block's lines one after another. Panels outer streamed each panel's
-  // column of C down its rows, every line on another DRAM page: 1.6 GB written in that order ran at 13.5 GB/s
-  // against 21.9 along the rows (zen3-vm), and the weight gradient of gate_up at 16 rows a group took 181-190
-  // against 161-175 ms. Reading B in place also made every load share its address's low 12 bits with a
-  // streamed store where B's and C's rows are both 4 KiB-aligned (two buffers of the large-block cache, as in
-  // the experts' backward): the loads waited on the stores, 280-290 against 157-175 ms; the copy has no such
-  // phase. Streamed fp32 only: with plain stores (baseline) the panels-outer order, its panel in L1, ran 4 %
-  // faster, and the other types' blocks, inlined once more, compiled slower (bf16 at avx2 106-110 -> 172-188
-  // ms with the order unchanged; docs/performance.md, "gemm_bcast reduction blocks").
-  constexpr bool kRowsOuter = Stream && std::is_same_v<T, float>;
   const Partial<Ac> whole{nullptr, 0, false, false};  // the whole reduction in one pass
-  bool rows_outer = false;
   if constexpr (kRowsOuter) {
-    rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
-                 P * Nw * int64_t(sizeof(T)) <= short_reduction_bytes(sizeof(T));
-    if (rows_outer) {
-      T* slab = scratch<T, 2>(P * Nw);  // panel n (wide columns) at slab + n * P, its P rows contiguous
+    // Register blocks of Rows x Vecs: panels of Vecs vectors (the last of kBcastVecs where Nw leaves part of
+    // one), panel n at slab + n * P, its P rows contiguous.
+    auto rows_order = [&](auto rows_c, auto vecs_c) {
+      constexpr int Rows = decltype(rows_c)::value, Vecs = decltype(vecs_c)::value;
+      constexpr int64_t swide = Vecs * kBlock;
+      const int64_t Ns = Nw - Nw % swide;
+      T* slab = scratch<T, 2>(P * Nw);
       for (int64_t p = 0; p < P; ++p)
-        for (int64_t n = 0; n < Nw; n += wide)
-          std::memcpy(slab + n * P + p * wide, B + p * ldb + n, wide * sizeof(T));
-      row_blocks(M, [&](auto rows, int64_t m) {
+        for (int64_t n = 0; n < Nw; n += swide) {
+          const int64_t w = std::min(swide, Nw - n);
+          std::memcpy(slab + n * P + p * w, B + p * ldb + n, w * sizeof(T));
+        }
+      row_blocks<Rows>(M, [&](auto rows, int64_t m) {
         constexpr int MR = decltype(rows)::value;
+        // Everything the column loop reads, in locals: captured by reference, GCC reloaded each from the
+        // stack after the streamed stores of every block (it cannot tell that they do not write there), and
+        // a load whose address matched a streamed store's low 12 bits waited for that store.
         const TA* a = a_block(m, MR, 0);
-        for (int64_t n = 0; n < Nw; n += wide)
-          bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, a_m, a_p, slab + n * P, wide,
-                                                                 C + m * ldc + n, ldc, P, whole, false);
+        const T* const sl = slab;
+        T* const c = C + m * ldc;
+        const int64_t ns = Ns, nw = Nw, steps = P, ld = ldc, am = a_m, ap = a_p;
+        const Partial<Ac> one{nullptr, 0, false, false};
+        for (int64_t n = 0; n < ns; n += swide)
+          bcast_block<T, MR, Vecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n, ld, steps,
+                                                           one, false);
+        if constexpr (Vecs != kBcastVecs)
+          if (ns < nw)
+            bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, am, ap, sl + ns * steps, wide, c + ns,
+                                                                   ld, steps, one, false);
       });
-    }
+    };
+    if (stream_blocks)
+      rows_order(std::integral_constant<int, kStreamRows>{}, std::integral_constant<int, kStreamVecs>{});
+    else if (rows_outer)
+      rows_order(std::integral_constant<int, kBcastRows>{}, std::integral_constant<int, kBcastVecs>{});
   }
   const bool pack_panel = !rows_outer && !inter && step_p >= P && P <= 64 && M >= 8 * kBcastRows &&
                           (ldb * int64_t(sizeof(T))) % 4096 == 0;
@@ -884,21 +932,28 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
       });
     }
   }
-  // Leftover vectors and columns: one pass over the whole reduction, plain stores.
-  for (int64_t n = Nw; n < Nv; n += kBlock)
-    row_blocks(M, [&](auto rows, int64_t m) {
-      constexpr int MR = decltype(rows)::value;
-      bcast_block<T, MR, 1, false, TA, T, kABlock>(a_block(m, MR, 0), a_m, a_p, B + n, ldb, C + m * ldc + n,
-                                                   ldc, P, whole);
-    });
-  if (Nv < N)
-    bcast_tail(
-        [&](int64_t m, int64_t p) {
-          const int64_t m0 = m - m % kBcastRows;
-          return kABlock ? a_block(m0, std::min<int64_t>(kBcastRows, M - m0), p)[m - m0]
-                         : A[m * a_m + p * a_p];
-        },
-        B, ldb, C, ldc, M, Nv, N, P);
+  // Leftover vectors and columns: one pass over the whole reduction, plain stores, by the row blocks of A's
+  // copy.
+  auto leftovers = [&](auto rows_c) {
+    constexpr int Rows = decltype(rows_c)::value;
+    for (int64_t n = Nw; n < Nv; n += kBlock)
+      row_blocks<Rows>(M, [&](auto rows, int64_t m) {
+        constexpr int MR = decltype(rows)::value;
+        bcast_block<T, MR, 1, false, TA, T, kABlock>(a_block(m, MR, 0), a_m, a_p, B + n, ldb, C + m * ldc + n,
+                                                     ldc, P, whole);
+      });
+    if (Nv < N)
+      bcast_tail(
+          [&](int64_t m, int64_t p) {
+            const int64_t m0 = m - m % Rows;
+            return kABlock ? a_block(m0, std::min<int64_t>(Rows, M - m0), p)[m - m0] : A[m * a_m + p * a_p];
+          },
+          B, ldb, C, ldc, M, Nv, N, P);
+  };
+  if (stream_blocks)
+    leftovers(std::integral_constant<int, kStreamRows>{});
+  else
+    leftovers(std::integral_constant<int, kBcastRows>{});
 }
 
 template <class T, bool Stream>

@@ -446,12 +446,14 @@ def page_aligned(t):
     return out
 
 
-@pytest.mark.parametrize("counts,N", [([150, 0, 200], 304), ([30, 33], 2048), ([5, 300, 60, 1], 771)])
+@pytest.mark.parametrize("counts,N", [([150, 0, 200], 304), ([30, 33], 2048), ([5, 300, 60, 1], 771),
+                                      ([16, 7, 0, 20], 768)])
 def test_grouped_mm_weight_grad_short_and_long_reductions(counts, N):
     # fp32 weight gradients: groups whose rows of grad fit short_reduction_bytes run in one pass over a
     # contiguous copy (row blocks outer), also where they are longer than the kernel's reduction block (150
-    # and 200 rows of 304 columns); longer ones block the reduction; N = 771 has tail columns and is not
-    # streamed. Every path sums each element in order of rows: the same bits at every thread count, and the
+    # and 200 rows of 304 columns), by register blocks of two cache lines a row below AVX-512 unless the rows
+    # are a multiple of 4 KiB apart (N = 2048); longer ones block the reduction; N = 771 has tail columns and
+    # is not streamed. Every path sums each element in order of rows: the same bits at every thread count, and the
     # float64 product within fp32's tolerance, with grad 4 KiB-aligned as well as not.
     K = 100
     offs = offsets(counts)

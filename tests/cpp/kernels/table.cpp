@@ -325,7 +325,13 @@ const std::vector<Row>& kernel_table() {
        .shapes = {{.sizes = {{"M", 23}, {"N", 200}, {"P", 77}}, .layouts = {"A"}},
                   {.sizes = {{"M", 23}, {"N", 2048}, {"P", 150}}, .layouts = {"At"}},
                   {.sizes = {{"M", 13}, {"N", 130}, {"P", 777}}, .layouts = {"A"}},
-                  {.sizes = {{"M", 41}, {"N", 130}, {"P", 16}}, .layouts = {"At_B4k"}}},
+                  {.sizes = {{"M", 41}, {"N", 130}, {"P", 16}}, .layouts = {"At_B4k"}},
+                  // Streamed short reductions of 8 or more row blocks (the rows of the third call): the row
+                  // order, its two-line register blocks below AVX-512 (a last panel of half their width at N
+                  // 208, a leftover vector at 200, one and two leftover rows).
+                  {.sizes = {{"M", 56}, {"N", 208}, {"P", 16}}, .layouts = {"At"}},
+                  {.sizes = {{"M", 58}, {"N", 192}, {"P", 31}}, .layouts = {"At_B4k"}},
+                  {.sizes = {{"M", 57}, {"N", 200}, {"P", 9}}, .layouts = {"A"}}},
        .layouts = {},
        .check = gemm_bcast_independent_of_row_split_and_streaming,
        .skip = [](const Case& c) { return fp64_past(c, 300); }},
