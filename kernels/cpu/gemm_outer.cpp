@@ -25,12 +25,11 @@ constexpr int kBcastVecs = 4;
 constexpr int kBcastRows = 6;
 constexpr int kBcastVecs = 2;
 #endif
-// The register block of outer_blocks' row-order path (fp32 weight gradients with C streamed): at least two
+// The register block of outer_blocks' row-order path (fp32 weight gradients with C streamed): two or more
 // adjacent cache lines of each of its rows of C. avx2's 6 x 2 writes one line to each of six rows a block,
-// and there (zen3-vm) the streamed stores did not overlap the multiply-adds: a synthetic weight gradient of
-// the same blocks, 2 threads, 1.6 GB written, ran 140-152 ms against 65-76 with no stores; 3 x 4 (two lines a
-// row) 84-95 against 71, 2 x 4 98-107, 3 x 2 133-140 (docs/performance.md, "gemm_bcast reduction blocks").
-// AVX-512's 4 x 4 writes four lines a row.
+// and there (zen3-vm) the streamed stores did not overlap the multiply-adds: gemm_bcast at 16 steps, 2
+// threads, 1.6 GB of C in rows of 768 / 1536 / 2560 fp32, 137 / 184 / 150 ms with 6 x 2 against 91 / 97 / 93
+// with 3 x 4 (docs/performance.md, "gemm_bcast reduction blocks"). AVX-512's 4 x 4 writes four lines a row.
 #if defined(__AVX512F__)
 constexpr int kStreamRows = kBcastRows;
 constexpr int kStreamVecs = kBcastVecs;
@@ -70,9 +69,7 @@ struct Partial {
   bool park;    // end by writing the sums back (else round into C)
 };
 
-// The calling thread's scratch for partial sums and copies, grown on demand (a task's block: up to a few
-// hundred KiB), starting on a cache line: the register blocks load whole vectors from it, and a vector
-// across two lines costs two loads.
+// The calling thread's scratch for partial sums, grown on demand (a task's block: up to a few hundred KiB).
 template <class Ac, int Tag = 0>
 Ac* scratch(int64_t n) {
   thread_local std::vector<Ac> buf;
