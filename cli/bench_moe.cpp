@@ -53,57 +53,73 @@ std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype, const ShapeF
   std::vector<CaseBuilder> out;
   for (const MoeShape& s : kShapes)
     if (wanted(describe(s)))
-      for (CaseBuilder& b : builders_of([s, dtype] {
-             const at::ScalarType dt = dtype_of(dtype);
-             const int64_t S = s.T * s.k, N = 2 * s.I;
-             const at::Tensor offs = offsets_of(routing(s), s.E);
-             const at::Tensor a = at::randn({S, s.H}).to(dt);
-             const at::Tensor w =
-                 weights({s.E, N, s.H}, s.H, dt);  // gate_up_proj layout; b is its transposed view
-             const at::Tensor dense_b = weights({s.H, N}, s.H, dt);
-             const at::Tensor dy = at::randn({S, N}).to(dt);
-             const double e = a.element_size();
-             const double fwd_bytes = e * (S * s.H + s.E * N * s.H + S * N);
-             const double flops = 2.0 * S * s.H * N;
-             auto kern = [](const std::vector<at::Tensor>& in) {
-               return kernmap::grouped_mm(in[0], in[1].transpose(1, 2), in[2]);
-             };
-             auto ref = [](const std::vector<at::Tensor>& in) {
-               return kernmap::reference::grouped_mm(in[0], in[1].transpose(1, 2), in[2]);
-             };
-             auto dense = [](const std::vector<at::Tensor>& in) { return at::mm(in[0], in[1]); };
-             Case fwd{"grouped_mm", "fwd", dtype, describe(s), fwd_bytes, flops, 5, {}};
-             fwd.impls = {{"kernmap",
-                           [=] {
-                             at::NoGradGuard g;
-                             kern({a, w, offs});
-                           }},
-                          {"reference",
-                           [=] {
-                             at::NoGradGuard g;
-                             ref({a, w, offs});
-                           }},
-                          {"torch._grouped_mm",
-                           [=] {
-                             at::NoGradGuard g;
-                             at::_grouped_mm(a, w.transpose(1, 2), offs);
-                           }},
-                          {"dense", [=] {
-                             at::NoGradGuard g;
-                             dense({a, dense_b});
-                           }}};
-             // torch._grouped_mm's CPU backward fails in torch 2.15 ("Invalid strides/sizes"), so it is timed
-             // forward only.
-             // fwd+bwd: the forward's bytes, then the backward reads grad, b and a again and writes a's and
-             // b's gradients (b is far larger than any cache: its second read is memory traffic too).
-             Case both{
-                 "grouped_mm", "fwd+bwd", dtype, describe(s), 2 * fwd_bytes + e * S * s.H + e * s.E * N * s.H,
-                 3 * flops,    3,         {}};
-             both.impls = {{"kernmap", fwd_bwd({a, w, offs}, dy, kern)},
-                           {"reference", fwd_bwd({a, w, offs}, dy, ref)},
-                           {"dense", fwd_bwd({a, dense_b}, dy, dense)}};
-             return std::vector<Case>{fwd, both};
-           }))
+      for (CaseBuilder& b : builders_of(
+               [s, dtype] {
+                 const at::ScalarType dt = dtype_of(dtype);
+                 const int64_t S = s.T * s.k, N = 2 * s.I;
+                 const at::Tensor offs = offsets_of(routing(s), s.E);
+                 const at::Tensor a = at::randn({S, s.H}).to(dt);
+                 const at::Tensor w =
+                     weights({s.E, N, s.H}, s.H, dt);  // gate_up_proj layout; b is its transposed view
+                 const at::Tensor dense_b = weights({s.H, N}, s.H, dt);
+                 const at::Tensor dy = at::randn({S, N}).to(dt);
+                 const double e = a.element_size();
+                 const double fwd_bytes = e * (S * s.H + s.E * N * s.H + S * N);
+                 const double flops = 2.0 * S * s.H * N;
+                 auto kern = [](const std::vector<at::Tensor>& in) {
+                   return kernmap::grouped_mm(in[0], in[1].transpose(1, 2), in[2]);
+                 };
+                 auto ref = [](const std::vector<at::Tensor>& in) {
+                   return kernmap::reference::grouped_mm(in[0], in[1].transpose(1, 2), in[2]);
+                 };
+                 auto dense = [](const std::vector<at::Tensor>& in) { return at::mm(in[0], in[1]); };
+                 Case fwd{"grouped_mm", "fwd", dtype, describe(s), fwd_bytes, flops, 5, {}};
+                 fwd.impls = {{"kernmap",
+                               [=] {
+                                 at::NoGradGuard g;
+                                 kern({a, w, offs});
+                               }},
+                              {"reference",
+                               [=] {
+                                 at::NoGradGuard g;
+                                 ref({a, w, offs});
+                               }},
+                              {"torch._grouped_mm",
+                               [=] {
+                                 at::NoGradGuard g;
+                                 at::_grouped_mm(a, w.transpose(1, 2), offs);
+                               }},
+                              {"dense", [=] {
+                                 at::NoGradGuard g;
+                                 dense({a, dense_b});
+                               }}};
+                 // torch._grouped_mm's CPU backward fails in torch 2.15 ("Invalid strides/sizes"), so it is
+                 // timed forward only. fwd+bwd: the forward's bytes, then the backward reads grad, b and a
+                 // again and writes a's and b's gradients (b is far larger than any cache: its second read is
+                 // memory traffic too).
+                 Case both{"grouped_mm",
+                           "fwd+bwd",
+                           dtype,
+                           describe(s),
+                           2 * fwd_bytes + e * S * s.H + e * s.E * N * s.H,
+                           3 * flops,
+                           3,
+                           {}};
+                 both.impls = {{"kernmap", fwd_bwd({a, w, offs}, dy, kern)},
+                               {"reference", fwd_bwd({a, w, offs}, dy, ref)},
+                               {"dense", fwd_bwd({a, dense_b}, dy, dense)}};
+                 // The weights frozen (LoRA fine-tuning): the backward is `grad @ W` alone, reading grad and
+                 // b and writing a's gradient. Aliases of their own (detach), so the case above keeps
+                 // trainable ones.
+                 const std::vector<bool> frozen_weights = {true, false, false};
+                 Case frozen{"grouped_mm",  "fwd+bwd-frozen", dtype, describe(s),
+                             2 * fwd_bytes, 2 * flops,        3,     {}};
+                 frozen.impls = {{"kernmap", fwd_bwd({a, w.detach(), offs}, dy, kern, frozen_weights)},
+                                 {"reference", fwd_bwd({a, w.detach(), offs}, dy, ref, frozen_weights)},
+                                 {"dense", fwd_bwd({a, dense_b.detach()}, dy, dense, {true, false})}};
+                 return std::vector<Case>{fwd, both, frozen};
+               },
+               3))
         out.push_back(std::move(b));
   return out;
 }
