@@ -750,9 +750,6 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   if constexpr (kRowsOuter)
     rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
                  P * Nw * int64_t(sizeof(T)) <= short_reduction_bytes(sizeof(T));
-  // The row order's register blocks (kStreamRows x kStreamVecs): A's copy and every register block of the
-  // call take the same row blocks.
-  const bool stream_blocks = rows_outer && kStreamRows != kBcastRows;
   const TA* A = nullptr;
   if constexpr (std::is_same_v<TA, T>) A = A_in;
   if constexpr (kABlock) {
@@ -763,7 +760,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         for (int64_t p = 0; p < P; ++p)
           for (int i = 0; i < R; ++i) packed[m * P + p * R + i] = widen(A_in[(m + i) * a_m + p * a_p]);
       };
-      if (stream_blocks)
+      if (rows_outer)  // the row order's register blocks (kStreamRows): A's copy takes the same row blocks
         row_blocks<kStreamRows>(M, pack);
       else
         row_blocks(M, pack);
@@ -788,11 +785,10 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   const bool inter = kDp && step_p >= P && row_blocks_n >= kInterleaveRowBlocks;
   const Partial<Ac> whole{nullptr, 0, false, false};  // the whole reduction in one pass
   if constexpr (kRowsOuter) {
-    // Register blocks of Rows x Vecs: panels of Vecs vectors (the last of kBcastVecs where Nw leaves part of
-    // one), panel n at slab + n * P, its P rows contiguous.
-    auto rows_order = [&](auto rows_c, auto vecs_c) {
-      constexpr int Rows = decltype(rows_c)::value, Vecs = decltype(vecs_c)::value;
-      constexpr int64_t swide = Vecs * kBlock;
+    // Register blocks of kStreamRows x kStreamVecs: panels of kStreamVecs vectors (the last of kBcastVecs
+    // where Nw leaves part of one), panel n at slab + n * P, its P rows contiguous.
+    if (rows_outer) {
+      constexpr int64_t swide = kStreamVecs * kBlock;
       const int64_t Ns = Nw - Nw % swide;
       T* slab = scratch<T, 2>(P * Nw);
       for (int64_t p = 0; p < P; ++p)
@@ -800,7 +796,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
           const int64_t w = std::min(swide, Nw - n);
           std::memcpy(slab + n * P + p * w, B + p * ldb + n, w * sizeof(T));
         }
-      row_blocks<Rows>(M, [&](auto rows, int64_t m) {
+      row_blocks<kStreamRows>(M, [&](auto rows, int64_t m) {
         constexpr int MR = decltype(rows)::value;
         // Everything the column loop reads, in locals: captured by reference, GCC reloaded each from the
         // stack after the streamed stores of every block (it cannot tell that they do not write there), and
@@ -811,18 +807,14 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         const int64_t ns = Ns, nw = Nw, steps = P, ld = ldc, am = a_m, ap = a_p;
         const Partial<Ac> one{nullptr, 0, false, false};
         for (int64_t n = 0; n < ns; n += swide)
-          bcast_block<T, MR, Vecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n, ld, steps,
-                                                           one, false);
-        if constexpr (Vecs != kBcastVecs)
+          bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n, ld,
+                                                                  steps, one, false);
+        if constexpr (kStreamVecs != kBcastVecs)
           if (ns < nw)
             bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, am, ap, sl + ns * steps, wide, c + ns,
                                                                    ld, steps, one, false);
       });
-    };
-    if (stream_blocks)
-      rows_order(std::integral_constant<int, kStreamRows>{}, std::integral_constant<int, kStreamVecs>{});
-    else if (rows_outer)
-      rows_order(std::integral_constant<int, kBcastRows>{}, std::integral_constant<int, kBcastVecs>{});
+    }
   }
   const bool pack_panel = !rows_outer && !inter && step_p >= P && P <= 64 && M >= 8 * kBcastRows &&
                           (ldb * int64_t(sizeof(T))) % 4096 == 0;
@@ -947,7 +939,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
           },
           B, ldb, C, ldc, M, Nv, N, P);
   };
-  if (stream_blocks)
+  if (rows_outer)
     leftovers(std::integral_constant<int, kStreamRows>{});
   else
     leftovers(std::integral_constant<int, kBcastRows>{});
