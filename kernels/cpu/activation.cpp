@@ -1,15 +1,139 @@
 // SiLU and SiLU-and-mul forward and backward, compiled once per instruction-set level. One pass over the data
 // each way; the eager module's intermediate roundings are reproduced so low-precision results match it.
+#include <algorithm>
+
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
+// ---- bfloat16 tables --------------------------------------------------------------------------------------
+// A bfloat16 has 65536 values, so every function of the gate alone that a bf16 row needs is read from a
+// table instead of computed: SiLU rounded to bf16 (the forward's), x * sigmoid(x) rounded to bf16 (the
+// backward's, which shares its division with the derivative) and the derivative in float. Below AVX-512 the
+// bf16 rows were bound by the exp, the division and the roundings done in integer instructions (a 60-cycle
+// dependent chain a block; docs/performance.md, "bf16 SiLU tables"). The tables are built once per process,
+// at first use, by this level's own block math, so every result has the bits it had when computed: eager's
+// roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 512 KiB in all; a row
+// touches the entries of the gates it holds (a layer's activations span a few exponents: a few KiB). The
+// AVX-512 levels, which round in one or two instructions, compute as before (a table there is unmeasured).
+#if !defined(__AVX512F__)
+inline constexpr bool kSiluTables = true;
+#else
+inline constexpr bool kSiluTables = false;
+#endif
+
+struct SiluTables {
+  uint16_t silu[65536];       // round(x / (1 + e^-x)), as the stores write it
+  uint16_t x_sigmoid[65536];  // round(x * sigmoid(x))
+  float dsilu[65536];         // sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+  SiluTables() {
+    for (uint32_t b = 0; b < 65536; b += kBlock) {
+      VF x;
+      for (int j = 0; j < kBlock; ++j) x[j] = f32_from_bits((b + j) << 16);
+      store_native(reinterpret_cast<BFloat16*>(silu + b), silu_of(x));
+      const VF s = sigmoid(x);
+      store_native(reinterpret_cast<BFloat16*>(x_sigmoid + b), round_block_arith<BFloat16>(x * s));
+      store_native(dsilu + b, s * (1 + x * (1 - s)));
+    }
+  }
+};
+inline const SiluTables& silu_tables() {
+  static const SiluTables tables;
+  return tables;
+}
+
+/// Whether T's rows go through the tables.
+template <class T>
+inline constexpr bool kTabled = kSiluTables&& std::is_same_v<T, BFloat16>;
+
+/// Elements of a row looked up at a time: the chunk's entries go into buffers on the stack (1.5 KiB here,
+/// in L1) by scalar loads, then the block loops read them like any operand. Not gathers: on a Zen 3 core an
+/// 8-lane vpgatherdd cost about a cycle an element, more than the scalar loads and as much as the
+/// computation it replaced (docs/performance.md, "bf16 SiLU tables"); a multiple of 16 so that every chunk
+/// starts a pair.
+inline constexpr int64_t kChunk = 256;
+
+/// A row of n elements through the tables, chunk by chunk: look(c, m) fills the buffers with the entries
+/// of elements c .. c + m, then pair(c, j) runs for each 16 of them at avx2 (two blocks, the pair functions'
+/// lane order), block(c, j) for each kBlock at baseline, one(c, j) for the rest; j counts within the chunk.
+/// pair and block take j as `auto`, so each body is compiled only at the level that runs it.
+template <class Look, class Pair, class Block, class One>
+inline void tabled_row(int64_t n, Look&& look, Pair&& pair, Block&& block, One&& one) {
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    look(c, m);
+    int64_t j = 0;
+#if defined(__AVX2__)
+    for (; j + 2 * kBlock <= m; j += 2 * kBlock) pair(c, j);
+    (void)block;
+#else
+    for (; j + kBlock <= m; j += kBlock) block(c, j);
+    (void)pair;
+#endif
+    for (; j < m; ++j) one(c, j);
+  }
+}
+
+/// The entries of m gates from a 16-bit table (into e16) and a float table (into e32), each when given, by
+/// scalar loads: four gates' bits by one 8-byte load and four 16-bit entries by one 8-byte store.
+template <class T>
+inline void look_up(const T* g, int64_t m, const uint16_t* t16, T* e16, const float* t32, float* e32) {
+  int64_t j = 0;
+  for (; j + 4 <= m; j += 4) {
+    uint64_t w;
+    std::memcpy(&w, g + j, 8);
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t b = (w >> (16 * q)) & 0xffffu;
+      if (t16 != nullptr) e16[j + q].bits = t16[b];
+      if (t32 != nullptr) e32[j + q] = t32[b];
+    }
+  }
+  for (; j < m; ++j) {
+    if (t16 != nullptr) e16[j].bits = t16[g[j].bits];
+    if (t32 != nullptr) e32[j] = t32[g[j].bits];
+  }
+}
+
+/// avx2: 16 floats from a buffer as two blocks in load_bf16_pair's lane order (elements 0-3 and 8-11, then
+/// 4-7 and 12-15). A template so that the baseline level never compiles its body.
+template <class F>
+inline void load_float_pair(const F* p, VF& lo, VF& hi) {
+  const __m256 a = _mm256_load_ps(p), b = _mm256_load_ps(p + 8);
+  lo = _mm256_permute2f128_ps(a, b, 0x20);
+  hi = _mm256_permute2f128_ps(a, b, 0x31);
+}
+/// avx2: 16 bf16 copied from a buffer, streamed as two 16-byte halves when Stream (as store_bf16_pair).
+template <bool Stream, class T>
+inline void copy_pair(T* p, const T* from) {
+  const __m256i r = _mm256_load_si256(reinterpret_cast<const __m256i*>(from));
+  if constexpr (Stream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(r));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_extracti128_si256(r, 1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), r);
+  }
+}
+
 // Scalar math: y = round(x / (1 + exp(-x)))
 template <bool Stream, class T>
 void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) {
   using A = Acc<T>;
+  if constexpr (kTabled<T>) {
+    const SiluTables& t = silu_tables();
+    alignas(64) T e[kChunk];
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * xs;
+      T* yr = y + r * n;
+      tabled_row(
+          n, [&](int64_t c, int64_t m) { look_up(xr + c, m, t.silu, e, nullptr, nullptr); },
+          [&](int64_t c, auto j) { copy_pair<Stream>(yr + c + j, e + j); },
+          [&](int64_t c, auto j) { std::memcpy(yr + c + j, e + j, kBlock * sizeof(T)); },
+          [&](int64_t c, int64_t j) { yr[c + j] = e[j]; });
+    }
+    return;
+  }
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
@@ -47,6 +171,26 @@ template <bool Stream, class T>
 void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int64_t r0, int64_t r1,
                    int64_t n) {
   using A = Acc<T>;
+  if constexpr (kTabled<T>) {
+    const SiluTables& t = silu_tables();
+    alignas(64) float e[kChunk];
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * xs;
+      const T* dyr = dy + r * dys;
+      T* dxr = dx + r * n;
+      tabled_row(
+          n, [&](int64_t c, int64_t m) { look_up(xr + c, m, nullptr, static_cast<T*>(nullptr), t.dsilu, e); },
+          [&](int64_t c, auto j) {
+            VF d[2], f[2];
+            load_bf16_pair(dyr + c + j, d[0], d[1]);
+            load_float_pair(e + j, f[0], f[1]);
+            store_bf16_pair<Stream>(dxr + c + j, d[0] * f[0], d[1] * f[1]);
+          },
+          [&](int64_t c, auto j) { store_out<Stream>(dxr + c + j, load<A>(dyr + c + j) * load<A>(e + j)); },
+          [&](int64_t c, int64_t j) { dxr[c + j] = from_acc<T>(to_acc<A>(dyr[c + j]) * e[j]); });
+    }
+    return;
+  }
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
@@ -68,6 +212,26 @@ template <bool Stream, class T>
 void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int64_t r0, int64_t r1,
                        int64_t n) {
   using A = Acc<T>;
+  if constexpr (kTabled<T>) {
+    const SiluTables& t = silu_tables();
+    alignas(64) T e[kChunk];
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gr = g + r * gs;
+      const T* ur = u + r * us;
+      T* yr = y + r * n;
+      tabled_row(
+          n, [&](int64_t c, int64_t m) { look_up(gr + c, m, t.silu, e, nullptr, nullptr); },
+          [&](int64_t c, auto j) {
+            VF a[2], b[2];
+            load_bf16_pair(e + j, a[0], a[1]);
+            load_bf16_pair(ur + c + j, b[0], b[1]);
+            store_bf16_pair<Stream>(yr + c + j, a[0] * b[0], a[1] * b[1]);
+          },
+          [&](int64_t c, auto j) { store_out<Stream>(yr + c + j, load<A>(e + j) * load<A>(ur + c + j)); },
+          [&](int64_t c, int64_t j) { yr[c + j] = from_acc<T>(to_acc<A>(e[j]) * to_acc<A>(ur[c + j])); });
+    }
+    return;
+  }
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const T* gr = g + r * gs;
@@ -105,6 +269,41 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
     u_grad = d * round_block_arith<T>(a * sg);
     g_grad = round_block_arith<T>(d * b) * (sg * (1 + a * (1 - sg)));
   };
+  if constexpr (kTabled<T>) {
+    const SiluTables& t = silu_tables();
+    alignas(64) T xs_e[kChunk];
+    alignas(64) float ds_e[kChunk];
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* dyr = dy + r * dys;
+      const T* gr = g + r * gs;
+      const T* ur = u + r * us;
+      T* dgr = dg + r * dgs;
+      T* dur = du + r * dus;
+      tabled_row(
+          n, [&](int64_t c, int64_t m) { look_up(gr + c, m, t.x_sigmoid, xs_e, t.dsilu, ds_e); },
+          [&](int64_t c, auto j) {
+            VF d[2], b[2], s[2], f[2];
+            load_bf16_pair(dyr + c + j, d[0], d[1]);
+            load_bf16_pair(ur + c + j, b[0], b[1]);
+            load_bf16_pair(xs_e + j, s[0], s[1]);
+            load_float_pair(ds_e + j, f[0], f[1]);
+            store_bf16_pair<Stream>(dur + c + j, d[0] * s[0], d[1] * s[1]);
+            store_bf16_pair<Stream>(dgr + c + j, round_block_arith<T>(d[0] * b[0]) * f[0],
+                                    round_block_arith<T>(d[1] * b[1]) * f[1]);
+          },
+          [&](int64_t c, auto j) {
+            const VF d = load<A>(dyr + c + j);
+            store_out<Stream>(dur + c + j, d * load<A>(xs_e + j));
+            store_out<Stream>(dgr + c + j, round_block_arith<T>(d * load<A>(ur + c + j)) * load<A>(ds_e + j));
+          },
+          [&](int64_t c, int64_t j) {
+            const A d = to_acc<A>(dyr[c + j]);
+            dur[c + j] = from_acc<T>(d * to_acc<A>(xs_e[j]));
+            dgr[c + j] = from_acc<T>(round_to<T>(d * to_acc<A>(ur[c + j])) * ds_e[j]);
+          });
+    }
+    return;
+  }
   for (int64_t r = r0; r < r1; ++r) {
     const T* dyr = dy + r * dys;
     const T* gr = g + r * gs;

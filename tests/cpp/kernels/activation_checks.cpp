@@ -82,6 +82,69 @@ void low_precision_silu_matches_eager_bits(const Case& c) {
   EXPECT_TRUE(nearly_bit_exact(kernmap::silu(g), at::silu(g)));
 }
 
+namespace {
+
+// bf16 results that equal want_float rounded to bf16 by torch, NaN where it is NaN (a failure names the first
+// gate whose result differs).
+::testing::AssertionResult rounded_from(const at::Tensor& got, const at::Tensor& want_float,
+                                        const at::Tensor& gate, const char* what) {
+  const at::Tensor want = want_float.to(at::kBFloat16);
+  const at::Tensor nan = want.isnan();
+  if (!got.isnan().equal(nan)) return ::testing::AssertionFailure() << what << ": NaN elsewhere than eager";
+  const at::Tensor gb = got.view(at::kShort).masked_select(~nan),
+                   wb = want.view(at::kShort).masked_select(~nan);
+  const int64_t differ = gb.ne(wb).sum().item<int64_t>();
+  if (differ == 0) return ::testing::AssertionSuccess();
+  const int64_t i = gb.ne(wb).nonzero()[0].item<int64_t>();
+  return ::testing::AssertionFailure() << what << ": " << differ << " results differ, the first at gate "
+                                       << at::masked_select(gate.to(at::kDouble), ~nan)[i].item<double>();
+}
+
+}  // namespace
+
+// A bfloat16 gate has 65536 values, and every one of them (NaNs and infinities included) gives the bf16 SiLU
+// family the results of its float32 math rounded, as eager rounds: y = round(silu(g)), round(round(silu(g)) *
+// u), dx = round(dy * silu'(x)), du = round(dy * round(g * sigmoid(g))), dg = round(round(dy * u) *
+// silu'(g)), with silu, silu' and g * sigmoid(g) from the same kernels in float32 (a gradient of 1 and an up
+// of 1 isolate them). Below AVX-512 the bf16 rows read these from tables built at first use (activation.cpp);
+// a table built with another formula, or a row reading the wrong entry, fails here. Rows of 256 (whole
+// chunks) and of 1031 (a chunk's remainder of 7: looked-up tails, scalar tails).
+void bf16_silu_is_its_float_math_rounded(const Case& c) {
+  const auto& k = kernmap::cpu::kernel_table();
+  const auto bf = kernmap::ops::cpu_dtype(at::kBFloat16), f32 = kernmap::ops::cpu_dtype(at::kFloat);
+  const int64_t n = c["n"], rows = (65536 + n - 1) / n;
+  // Every bf16 bit pattern once (the last row wraps around to the first values).
+  const at::Tensor g =
+      at::arange(rows * n, at::kInt).remainder(65536).to(at::kShort).view(at::kBFloat16).view({rows, n});
+  const at::Tensor u = randn({rows, n}, at::kBFloat16), dy = randn({rows, n}, at::kBFloat16);
+  const at::Tensor g32 = g.to(at::kFloat), ones = at::ones({rows, n});
+  auto empty = [&](at::ScalarType t) { return at::empty({rows, n}, at::TensorOptions(t)); };
+
+  at::Tensor silu32 = empty(at::kFloat), dsilu32 = empty(at::kFloat), dg32 = empty(at::kFloat),
+             xsig32 = empty(at::kFloat);
+  k.silu_fwd(f32, g32.const_data_ptr(), n, silu32.data_ptr(), 0, rows, n, false);
+  k.silu_bwd(f32, ones.const_data_ptr(), n, g32.const_data_ptr(), n, dsilu32.data_ptr(), 0, rows, n, false);
+  k.silu_and_mul_bwd(f32, ones.const_data_ptr(), n, g32.const_data_ptr(), n, ones.const_data_ptr(), n,
+                     dg32.data_ptr(), n, xsig32.data_ptr(), n, 0, rows, n, false);
+  ASSERT_TRUE(dg32.equal(dsilu32) ||
+              (dg32.isnan().equal(dsilu32.isnan()) && dg32.nan_to_num().equal(dsilu32.nan_to_num())));
+
+  at::Tensor y = empty(at::kBFloat16), ym = empty(at::kBFloat16), dx = empty(at::kBFloat16),
+             dg = empty(at::kBFloat16), du = empty(at::kBFloat16);
+  k.silu_fwd(bf, g.const_data_ptr(), n, y.data_ptr(), 0, rows, n, false);
+  k.silu_and_mul_fwd(bf, g.const_data_ptr(), n, u.const_data_ptr(), n, ym.data_ptr(), 0, rows, n, false);
+  k.silu_bwd(bf, dy.const_data_ptr(), n, g.const_data_ptr(), n, dx.data_ptr(), 0, rows, n, false);
+  k.silu_and_mul_bwd(bf, dy.const_data_ptr(), n, g.const_data_ptr(), n, u.const_data_ptr(), n, dg.data_ptr(),
+                     n, du.data_ptr(), n, 0, rows, n, false);
+  const at::Tensor dy32 = dy.to(at::kFloat), u32 = u.to(at::kFloat);
+  auto rounded = [](const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kFloat); };
+  EXPECT_TRUE(rounded_from(y, silu32, g, "silu"));
+  EXPECT_TRUE(rounded_from(ym, rounded(silu32) * u32, g, "silu_and_mul"));
+  EXPECT_TRUE(rounded_from(dx, dy32 * dsilu32, g, "silu backward"));
+  EXPECT_TRUE(rounded_from(du, dy32 * rounded(xsig32), g, "silu_and_mul backward, up's gradient"));
+  EXPECT_TRUE(rounded_from(dg, rounded(dy32 * u32) * dsilu32, g, "silu_and_mul backward, gate's gradient"));
+}
+
 // A NaN result in bfloat16 has the bits torch's vectorized conversion writes, 0xffff (vec.h,
 // bf16_round_high), in full blocks and in the scalar tail (where torch's scalar conversion writes 0x7fc0),
 // from a NaN of either sign: silu, silu_and_mul and rms_norm (whose row of a NaN is all NaN). The table skips

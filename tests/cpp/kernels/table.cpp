@@ -228,6 +228,13 @@ const std::vector<Row>& kernel_table() {
        .dtypes = {at::kBFloat16},
        // vcvtneps2bf16 keeps a NaN's sign and payload (vec.h)
        .skip = [](const Case& c) { return c.level >= kernmap::cpu::Level::kAvx512Bf16; }},
+      {.op = "bf16_silu_every_gate",
+       .shapes = grid({{"n", {256, 1031}}}),
+       .layouts = {""},
+       .check = bf16_silu_is_its_float_math_rounded,
+       .dtypes = kNoDtype,
+       // vcvtneps2bf16 flushes subnormal results and keeps a NaN's payload, where torch's rounding does not
+       .skip = [](const Case& c) { return c.level >= kernmap::cpu::Level::kAvx512Bf16; }},
       {.op = "empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = empty_inputs},
       // ---- the residual add fused with RMSNorm: against its reference, then properties ----
       {.op = "add_rms_norm",
