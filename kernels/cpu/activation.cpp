@@ -15,9 +15,10 @@ namespace {
 // bf16 rows were bound by the exp, the division and the roundings done in integer instructions (a 60-cycle
 // dependent chain a block; docs/performance.md, "bf16 SiLU tables"). The tables are built once per process,
 // at first use, by this level's own block math, so every result has the bits it had when computed: eager's
-// roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 512 KiB in all; a row
-// touches the entries of the gates it holds (a layer's activations span a few exponents: a few KiB). The
-// AVX-512 levels, which round in one or two instructions, compute as before (a table there is unmeasured).
+// roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 512 KiB a level, built (in
+// about 0.5 ms) only by a process that runs a bf16 SiLU row; a row touches the entries of the gates it holds
+// (a layer's activations span a few exponents: a few KiB). The AVX-512 levels, which round in one or two
+// instructions, compute as before (a table there is unmeasured).
 #if !defined(__AVX512F__)
 inline constexpr bool kSiluTables = true;
 #else
@@ -50,9 +51,8 @@ inline constexpr bool kTabled = kSiluTables&& std::is_same_v<T, BFloat16>;
 
 /// Elements of a row looked up at a time: the chunk's entries go into buffers on the stack (1.5 KiB here,
 /// in L1) by scalar loads, then the block loops read them like any operand. Not gathers: on a Zen 3 core an
-/// 8-lane vpgatherdd cost about a cycle an element, more than the scalar loads and as much as the
-/// computation it replaced (docs/performance.md, "bf16 SiLU tables"); a multiple of 16 so that every chunk
-/// starts a pair.
+/// 8-lane vpgatherdd cost about a cycle an element, more than the scalar loads (docs/performance.md, "bf16
+/// SiLU tables"). A multiple of 16, so that every chunk starts a pair.
 inline constexpr int64_t kChunk = 256;
 
 /// A row of n elements through the tables, chunk by chunk: look(c, m) fills the buffers with the entries
@@ -77,7 +77,8 @@ inline void tabled_row(int64_t n, Look&& look, Pair&& pair, Block&& block, One&&
 }
 
 /// The entries of m gates from a 16-bit table (into e16) and a float table (into e32), each when given, by
-/// scalar loads: four gates' bits by one 8-byte load and four 16-bit entries by one 8-byte store.
+/// scalar loads: four gates' bits by one 8-byte load (an index loaded by itself ran slower), one store an
+/// entry (docs/performance.md, "bf16 SiLU tables").
 template <class T>
 inline void look_up(const T* g, int64_t m, const uint16_t* t16, T* e16, const float* t32, float* e32) {
   int64_t j = 0;
