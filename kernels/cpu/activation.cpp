@@ -25,18 +25,22 @@ inline constexpr bool kSiluTables = true;
 inline constexpr bool kSiluTables = false;
 #endif
 
+/// The backwards' two values of a gate side by side, so that one 8-byte load fetches both.
+struct GradEntry {
+  float dsilu;      // sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+  float x_sigmoid;  // x * sigmoid(x) rounded to bf16 (its low 16 bits clear)
+};
 struct SiluTables {
-  uint16_t silu[65536];       // round(x / (1 + e^-x)), as the stores write it
-  uint16_t x_sigmoid[65536];  // round(x * sigmoid(x))
-  float dsilu[65536];         // sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+  uint16_t silu[65536];  // round(x / (1 + e^-x)), as the stores write it
+  GradEntry grad[65536];
   SiluTables() {
     for (uint32_t b = 0; b < 65536; b += kBlock) {
       VF x;
       for (int j = 0; j < kBlock; ++j) x[j] = f32_from_bits((b + j) << 16);
       store_native(reinterpret_cast<BFloat16*>(silu + b), silu_of(x));
       const VF s = sigmoid(x);
-      store_native(reinterpret_cast<BFloat16*>(x_sigmoid + b), round_block_arith<BFloat16>(x * s));
-      store_native(dsilu + b, s * (1 + x * (1 - s)));
+      const VF d = s * (1 + x * (1 - s)), xs = round_block_arith<BFloat16>(x * s);
+      for (int j = 0; j < kBlock; ++j) grad[b + j] = {d[j], xs[j]};
     }
   }
 };
@@ -76,35 +80,61 @@ inline void tabled_row(int64_t n, Look&& look, Pair&& pair, Block&& block, One&&
   }
 }
 
-/// The entries of m gates from a 16-bit table (into e16) and a float table (into e32), each when given, by
-/// scalar loads: four gates' bits by one 8-byte load (an index loaded by itself ran slower), one store an
-/// entry (docs/performance.md, "bf16 SiLU tables").
-template <class T>
-inline void look_up(const T* g, int64_t m, const uint16_t* t16, T* e16, const float* t32, float* e32) {
+/// The entries of m gates by scalar loads into e, in order: four gates' bits by one 8-byte load (an index
+/// loaded by itself ran slower), one store an entry (docs/performance.md, "bf16 SiLU tables").
+template <class T, class E>
+inline void look_up(const T* g, int64_t m, const E* table, E* e) {
   int64_t j = 0;
   for (; j + 4 <= m; j += 4) {
     uint64_t w;
     std::memcpy(&w, g + j, 8);
-    for (int q = 0; q < 4; ++q) {
-      const uint32_t b = (w >> (16 * q)) & 0xffffu;
-      if (t16 != nullptr) e16[j + q].bits = t16[b];
-      if (t32 != nullptr) e32[j + q] = t32[b];
+    for (int q = 0; q < 4; ++q) e[j + q] = table[(w >> (16 * q)) & 0xffffu];
+  }
+  for (; j < m; ++j) e[j] = table[g[j].bits];
+}
+/// The forward's silu entries.
+template <class T>
+inline void look_up_silu(const T* g, int64_t m, const uint16_t* table, T* e) {
+  look_up(g, m, reinterpret_cast<const T*>(table), e);
+}
+/// The backwards' GradEntry; at avx2 each full group of 16 in load_grad_pair's order (entries 0 1 8 9, 2 3
+/// 10 11, 4 5 12 13, 6 7 14 15: each 32 bytes holds four entries that one shuffle of two such registers
+/// splits into the pair functions' lane order), the rest in order.
+template <class T>
+inline void look_up_grad(const T* g, int64_t m, const GradEntry* table, GradEntry* e) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  constexpr int kSlot[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+  for (; j + 16 <= m; j += 16)
+    for (int w = 0; w < 4; ++w) {
+      uint64_t bits;
+      std::memcpy(&bits, g + j + 4 * w, 8);
+      for (int q = 0; q < 4; ++q) e[j + kSlot[4 * w + q]] = table[(bits >> (16 * q)) & 0xffffu];
     }
-  }
-  for (; j < m; ++j) {
-    if (t16 != nullptr) e16[j].bits = t16[g[j].bits];
-    if (t32 != nullptr) e32[j] = t32[g[j].bits];
-  }
+#endif
+  look_up(g + j, m - j, table, e + j);
+}
+/// silu' and x * sigmoid(x) of 16 gates from look_up_grad's buffer, as two blocks each in the pair functions'
+/// lane order (avx2; a template so that baseline never compiles its body).
+template <class E>
+inline void load_grad_pair(const E* p, VF ds[2], VF xs[2]) {
+  const float* f = &p->dsilu;
+  const __m256 a = _mm256_load_ps(f), b = _mm256_load_ps(f + 8), c = _mm256_load_ps(f + 16),
+               d = _mm256_load_ps(f + 24);
+  ds[0] = _mm256_shuffle_ps(a, b, 0x88);
+  xs[0] = _mm256_shuffle_ps(a, b, 0xdd);
+  ds[1] = _mm256_shuffle_ps(c, d, 0x88);
+  xs[1] = _mm256_shuffle_ps(c, d, 0xdd);
+}
+/// The same for a block of four in order (baseline).
+template <class E>
+inline void load_grad_block(const E* p, VF& ds, VF& xs) {
+  const float* f = &p->dsilu;
+  const __m128 a = _mm_load_ps(f), b = _mm_load_ps(f + 4);
+  ds = _mm_shuffle_ps(a, b, 0x88);
+  xs = _mm_shuffle_ps(a, b, 0xdd);
 }
 
-/// avx2: 16 floats from a buffer as two blocks in load_bf16_pair's lane order (elements 0-3 and 8-11, then
-/// 4-7 and 12-15). A template so that the baseline level never compiles its body.
-template <class F>
-inline void load_float_pair(const F* p, VF& lo, VF& hi) {
-  const __m256 a = _mm256_load_ps(p), b = _mm256_load_ps(p + 8);
-  lo = _mm256_permute2f128_ps(a, b, 0x20);
-  hi = _mm256_permute2f128_ps(a, b, 0x31);
-}
 /// avx2: 16 bf16 copied from a buffer, streamed as two 16-byte halves when Stream (as store_bf16_pair).
 template <bool Stream, class T>
 inline void copy_pair(T* p, const T* from) {
@@ -128,7 +158,7 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
       const T* xr = x + r * xs;
       T* yr = y + r * n;
       tabled_row(
-          n, [&](int64_t c, int64_t m) { look_up(xr + c, m, t.silu, e, nullptr, nullptr); },
+          n, [&](int64_t c, int64_t m) { look_up_silu(xr + c, m, t.silu, e); },
           [&](int64_t c, auto j) { copy_pair<Stream>(yr + c + j, e + j); },
           [&](int64_t c, auto j) { std::memcpy(yr + c + j, e + j, kBlock * sizeof(T)); },
           [&](int64_t c, int64_t j) { yr[c + j] = e[j]; });
@@ -174,21 +204,25 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
   using A = Acc<T>;
   if constexpr (kTabled<T>) {
     const SiluTables& t = silu_tables();
-    alignas(64) float e[kChunk];
+    alignas(64) GradEntry e[kChunk];
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * xs;
       const T* dyr = dy + r * dys;
       T* dxr = dx + r * n;
       tabled_row(
-          n, [&](int64_t c, int64_t m) { look_up(xr + c, m, nullptr, static_cast<T*>(nullptr), t.dsilu, e); },
+          n, [&](int64_t c, int64_t m) { look_up_grad(xr + c, m, t.grad, e); },
           [&](int64_t c, auto j) {
-            VF d[2], f[2];
+            VF d[2], f[2], unused[2];
             load_bf16_pair(dyr + c + j, d[0], d[1]);
-            load_float_pair(e + j, f[0], f[1]);
+            load_grad_pair(e + j, f, unused);
             store_bf16_pair<Stream>(dxr + c + j, d[0] * f[0], d[1] * f[1]);
           },
-          [&](int64_t c, auto j) { store_out<Stream>(dxr + c + j, load<A>(dyr + c + j) * load<A>(e + j)); },
-          [&](int64_t c, int64_t j) { dxr[c + j] = from_acc<T>(to_acc<A>(dyr[c + j]) * e[j]); });
+          [&](int64_t c, auto j) {
+            VF f, unused;
+            load_grad_block(e + j, f, unused);
+            store_out<Stream>(dxr + c + j, load<A>(dyr + c + j) * f);
+          },
+          [&](int64_t c, int64_t j) { dxr[c + j] = from_acc<T>(to_acc<A>(dyr[c + j]) * e[j].dsilu); });
     }
     return;
   }
@@ -221,7 +255,7 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
       const T* ur = u + r * us;
       T* yr = y + r * n;
       tabled_row(
-          n, [&](int64_t c, int64_t m) { look_up(gr + c, m, t.silu, e, nullptr, nullptr); },
+          n, [&](int64_t c, int64_t m) { look_up_silu(gr + c, m, t.silu, e); },
           [&](int64_t c, auto j) {
             VF a[2], b[2];
             load_bf16_pair(e + j, a[0], a[1]);
@@ -272,8 +306,7 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
   };
   if constexpr (kTabled<T>) {
     const SiluTables& t = silu_tables();
-    alignas(64) T xs_e[kChunk];
-    alignas(64) float ds_e[kChunk];
+    alignas(64) GradEntry e[kChunk];
     for (int64_t r = r0; r < r1; ++r) {
       const T* dyr = dy + r * dys;
       const T* gr = g + r * gs;
@@ -281,26 +314,27 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
       T* dgr = dg + r * dgs;
       T* dur = du + r * dus;
       tabled_row(
-          n, [&](int64_t c, int64_t m) { look_up(gr + c, m, t.x_sigmoid, xs_e, t.dsilu, ds_e); },
+          n, [&](int64_t c, int64_t m) { look_up_grad(gr + c, m, t.grad, e); },
           [&](int64_t c, auto j) {
             VF d[2], b[2], s[2], f[2];
             load_bf16_pair(dyr + c + j, d[0], d[1]);
             load_bf16_pair(ur + c + j, b[0], b[1]);
-            load_bf16_pair(xs_e + j, s[0], s[1]);
-            load_float_pair(ds_e + j, f[0], f[1]);
+            load_grad_pair(e + j, f, s);
             store_bf16_pair<Stream>(dur + c + j, d[0] * s[0], d[1] * s[1]);
             store_bf16_pair<Stream>(dgr + c + j, round_block_arith<T>(d[0] * b[0]) * f[0],
                                     round_block_arith<T>(d[1] * b[1]) * f[1]);
           },
           [&](int64_t c, auto j) {
             const VF d = load<A>(dyr + c + j);
-            store_out<Stream>(dur + c + j, d * load<A>(xs_e + j));
-            store_out<Stream>(dgr + c + j, round_block_arith<T>(d * load<A>(ur + c + j)) * load<A>(ds_e + j));
+            VF f, s;
+            load_grad_block(e + j, f, s);
+            store_out<Stream>(dur + c + j, d * s);
+            store_out<Stream>(dgr + c + j, round_block_arith<T>(d * load<A>(ur + c + j)) * f);
           },
           [&](int64_t c, int64_t j) {
             const A d = to_acc<A>(dyr[c + j]);
-            dur[c + j] = from_acc<T>(d * to_acc<A>(xs_e[j]));
-            dgr[c + j] = from_acc<T>(round_to<T>(d * to_acc<A>(ur[c + j])) * ds_e[j]);
+            dur[c + j] = from_acc<T>(d * e[j].x_sigmoid);
+            dgr[c + j] = from_acc<T>(round_to<T>(d * to_acc<A>(ur[c + j])) * e[j].dsilu);
           });
     }
     return;
