@@ -29,6 +29,7 @@
 #include <string>
 
 #include "cli/bench.h"
+#include "cli/bench_alloc.h"
 #include "cli/commands.h"
 #include "cli/json_output.h"
 #include "cli/options.h"
@@ -113,12 +114,13 @@ bool runs_kernmap(const Impl& im) {
 
 struct Timing {
   double median_ms, min_ms, max_ms;
-  double peak_bytes = 0;  ///< the most CPU memory one run allocated above what was live before it
+  double peak_bytes = 0;      ///< the most CPU memory one run allocated above what was live before it
+  double faults_per_run = 0;  ///< minor page faults of the process during a timed run, on average
 };
 
-Timing stats(std::vector<double> ms, double peak_bytes) {
+Timing stats(std::vector<double> ms, double peak_bytes, double faults) {
   std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms.front(), ms.back(), peak_bytes};
+  return {ms[ms.size() / 2], ms.front(), ms.back(), peak_bytes, faults / static_cast<double>(ms.size())};
 }
 
 double now_ms() {
@@ -140,15 +142,17 @@ int64_t minor_faults() {
 // page-faulting in more than 1 MiB, one more round (at most 10 more, and none once the extra rounds have
 // taken 10 s). glibc hands a freed large block back only after a few calls: a 155 MB output (bf16 silu at
 // [4096, 18944]) came from fresh memory, 37,888 page faults and 3x the time, on the 2nd to 8th call of a
-// process, and on none after (xeon-avx512-vm, 2026-12-03; keep_freed_memory's settings in effect). Three
-// warm-ups left 5 of 11 timed runs in that state, and a row's median jumped between runs.
+// process, and on none after (xeon-avx512-vm, 2026-12-03; glibc's settings alone). Three warm-ups left 5 of
+// 11 timed runs in that state, and a row's median jumped between runs. Large blocks now come from the keeping
+// allocator (cli/bench_alloc.cpp), which reuses them from the second call; the rule stays for what it does
+// not keep.
 std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Options& o) {
   constexpr int64_t kSteadyFaults = 256;  // 1 MiB of 4 KiB pages
   constexpr int kMaxExtraRounds = 10;
   constexpr double kMaxExtraMs = 10000;
   count_cpu_memory();
   std::vector<std::vector<double>> ms(impls.size());
-  std::vector<double> peak(impls.size(), 0);
+  std::vector<double> peak(impls.size(), 0), timed_faults(impls.size(), 0);
   int warmup = o.warmup;
   double extra_ms = 0;
   for (int r = 0; r < warmup + o.reps; ++r) {
@@ -163,15 +167,19 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
       const double t0 = now_ms();
       impls[i].run();
       const double t1 = now_ms();
-      faulted = faulted || minor_faults() - faults > kSteadyFaults;
+      const int64_t run_faults = minor_faults() - faults;
+      faulted = faulted || run_faults > kSteadyFaults;
       peak[i] = std::max(peak[i], static_cast<double>(cpu_memory().peak - before));
-      if (r >= warmup) ms[i].push_back(t1 - t0);
+      if (r >= warmup) {
+        ms[i].push_back(t1 - t0);
+        timed_faults[i] += static_cast<double>(run_faults);
+      }
     }
     if (r >= o.warmup && r < warmup) extra_ms += now_ms() - round_start;  // an extra warm-up round
     if (r == warmup - 1 && faulted && warmup < o.warmup + kMaxExtraRounds && extra_ms < kMaxExtraMs) ++warmup;
   }
   std::vector<Timing> out;
-  for (size_t i = 0; i < ms.size(); ++i) out.push_back(stats(ms[i], peak[i]));
+  for (size_t i = 0; i < ms.size(); ++i) out.push_back(stats(ms[i], peak[i], timed_faults[i]));
   return out;
 }
 
@@ -194,15 +202,6 @@ double copy_gbps(CopyProbe& probe, const Options& o) {
   Options copy_opts = o;
   copy_opts.reps = std::max(o.reps, 5);
   return CopyProbe::gbps(time_interleaved({probe.impl()}, copy_opts)[0]);
-}
-
-// glibc returns every block over 32 MiB to the OS on free, so each large output would be page-faulted in
-// (and zeroed by the kernel) on every call: a cost of the allocator, not of the op. Training frameworks avoid
-// it (caching allocators, jemalloc); the benchmark keeps freed memory in the process for every implementation
-// alike.
-void keep_freed_memory() {
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 // The machine's practical GEMM throughput for a dtype: the median of repetitions of a square product, 2048 on
@@ -350,6 +349,7 @@ int bench_command(const Options& o) {
       // also ran out of 24 GiB.
       c.impls.clear();
       kernmap::release_cached_memory();
+      release_freed_memory();
       malloc_trim(0);
       for (size_t k = 0; k < names.size(); ++k) {
         rows.push_back({c, names[k], impl_levels[k], timings[k], case_copy});
@@ -415,7 +415,8 @@ int bench_command(const Options& o) {
                   {"floor_ms", floor_ms(r)},
                   {"floor_source", floor_of(r).source},
                   {"x_floor", r.t.median_ms / floor_ms(r)},
-                  {"peak_bytes", r.t.peak_bytes}};
+                  {"peak_bytes", r.t.peak_bytes},
+                  {"faults_per_run", r.t.faults_per_run}};
       if (r.c.flops > 0) row["gflops"] = gflops(r);
       results.push_back(std::move(row));
     }
