@@ -15,7 +15,7 @@ namespace {
 // bf16 rows were bound by the exp, the division and the roundings done in integer instructions (a 60-cycle
 // dependent chain a block; docs/performance.md, "bf16 SiLU tables"). The tables are built once per process,
 // at first use, by this level's own block math, so every result has the bits it had when computed: eager's
-// roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 512 KiB a level, built (in
+// roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 640 KiB a level, built (in
 // about 0.5 ms) only by a process that runs a bf16 SiLU row; a row touches the entries of the gates it holds
 // (a layer's activations span a few exponents: a few KiB). The AVX-512 levels, which round in one or two
 // instructions, compute as before (a table there is unmeasured).
@@ -53,7 +53,7 @@ inline const SiluTables& silu_tables() {
 template <class T>
 inline constexpr bool kTabled = kSiluTables&& std::is_same_v<T, BFloat16>;
 
-/// Elements of a row looked up at a time: the chunk's entries go into buffers on the stack (1.5 KiB here,
+/// Elements of a row looked up at a time: the chunk's entries go into buffers on the stack (2 KiB at most,
 /// in L1) by scalar loads, then the block loops read them like any operand. Not gathers: on a Zen 3 core an
 /// 8-lane vpgatherdd cost about a cycle an element, more than the scalar loads (docs/performance.md, "bf16
 /// SiLU tables"). A multiple of 16, so that every chunk starts a pair.
