@@ -1,0 +1,154 @@
+// The bf16 SiLU tables of activation.cpp and the lookups that read them. Included only by activation.cpp,
+// inside no namespace.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/cpu/vec.h"
+
+namespace kernmap::cpu {
+namespace KERNMAP_CPU_LEVEL {
+
+// A bfloat16 has 65536 values, so every function of the gate alone that a bf16 row needs is read from a
+// table instead of computed: SiLU rounded to bf16 (the forward's), x * sigmoid(x) rounded to bf16 (the
+// backward's, which shares its division with the derivative) and the derivative in float. Below AVX-512 the
+// bf16 rows were bound by the exp, the division and the roundings done in integer instructions (a 60-cycle
+// dependent chain a block; docs/performance.md, "bf16 SiLU tables"). The tables are built once per process,
+// at first use, by this level's own block math, so every result has the bits it had when computed: eager's
+// roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 640 KiB a level, built (in
+// about 0.5 ms) only by a process that runs a bf16 SiLU row; a row touches the entries of the gates it holds
+// (a layer's activations span a few exponents: a few KiB). The AVX-512 levels, which round in one or two
+// instructions, compute as before (a table there is unmeasured).
+#if !defined(__AVX512F__)
+inline constexpr bool kSiluTables = true;
+#else
+inline constexpr bool kSiluTables = false;
+#endif
+
+/// The backwards' two values of a gate side by side, so that one 8-byte load fetches both.
+struct GradEntry {
+  float dsilu;      // sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+  float x_sigmoid;  // x * sigmoid(x) rounded to bf16 (its low 16 bits clear)
+};
+struct SiluTables {
+  uint16_t silu[65536];  // round(x / (1 + e^-x)), as the stores write it
+  GradEntry grad[65536];
+  SiluTables() {
+    for (uint32_t b = 0; b < 65536; b += kBlock) {
+      VF x;
+      for (int j = 0; j < kBlock; ++j) x[j] = f32_from_bits((b + j) << 16);
+      store_native(reinterpret_cast<BFloat16*>(silu + b), silu_of(x));
+      const VF s = sigmoid(x);
+      const VF d = s * (1 + x * (1 - s)), xs = round_block_arith<BFloat16>(x * s);
+      for (int j = 0; j < kBlock; ++j) grad[b + j] = {d[j], xs[j]};
+    }
+  }
+};
+inline const SiluTables& silu_tables() {
+  static const SiluTables tables;
+  return tables;
+}
+
+/// Whether T's rows go through the tables.
+template <class T>
+inline constexpr bool kTabled = kSiluTables ? std::is_same_v<T, BFloat16> : false;
+
+/// Elements of a row looked up at a time: the chunk's entries go into buffers on the stack (2 KiB at most,
+/// in L1) by scalar loads, then the block loops read them like any operand. Not gathers: on a Zen 3 core an
+/// 8-lane vpgatherdd cost about a cycle an element, more than the scalar loads (docs/performance.md, "bf16
+/// SiLU tables"). A multiple of 16, so that every chunk starts a pair.
+inline constexpr int64_t kChunk = 256;
+
+/// A row of n elements through the tables, chunk by chunk: look(c, m) fills the buffers with the entries
+/// of elements c .. c + m, then pair(c, j) runs for each 16 of them at avx2 (two blocks, the pair functions'
+/// lane order), block(c, j) for each kBlock at baseline, one(c, j) for the rest; j counts within the chunk.
+/// pair and block take j as `auto`, so each body is compiled only at the level that runs it.
+template <class Look, class Pair, class Block, class One>
+inline void tabled_row(int64_t n, Look&& look, Pair&& pair, Block&& block, One&& one) {
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    look(c, m);
+    int64_t j = 0;
+#if defined(__AVX2__)
+    for (; j + 2 * kBlock <= m; j += 2 * kBlock) pair(c, j);
+    (void)block;
+#else
+    for (; j + kBlock <= m; j += kBlock) block(c, j);
+    (void)pair;
+#endif
+    for (; j < m; ++j) one(c, j);
+  }
+}
+
+/// The entries of m gates by scalar loads into e, in order: four gates' bits by one 8-byte load (an index
+/// loaded by itself ran slower), one store an entry (docs/performance.md, "bf16 SiLU tables").
+template <class T, class E>
+inline void look_up(const T* g, int64_t m, const E* table, E* e) {
+  int64_t j = 0;
+  for (; j + 4 <= m; j += 4) {
+    uint64_t w;
+    std::memcpy(&w, g + j, 8);
+    for (int q = 0; q < 4; ++q) e[j + q] = table[(w >> (16 * q)) & 0xffffu];
+  }
+  for (; j < m; ++j) e[j] = table[g[j].bits];
+}
+/// The forward's silu entries.
+template <class T>
+inline void look_up_silu(const T* g, int64_t m, const uint16_t* table, T* e) {
+  look_up(g, m, reinterpret_cast<const T*>(table), e);
+}
+/// The backwards' GradEntry; at avx2 each full group of 16 in load_grad_pair's order (entries 0 1 8 9, 2 3
+/// 10 11, 4 5 12 13, 6 7 14 15: each 32 bytes holds four entries that one shuffle of two such registers
+/// splits into the pair functions' lane order), the rest in order.
+template <class T>
+inline void look_up_grad(const T* g, int64_t m, const GradEntry* table, GradEntry* e) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  constexpr int kSlot[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+  for (; j + 16 <= m; j += 16)
+    for (int w = 0; w < 4; ++w) {
+      uint64_t bits;
+      std::memcpy(&bits, g + j + 4 * w, 8);
+      for (int q = 0; q < 4; ++q) e[j + kSlot[4 * w + q]] = table[(bits >> (16 * q)) & 0xffffu];
+    }
+#endif
+  look_up(g + j, m - j, table, e + j);
+}
+/// silu' and x * sigmoid(x) of 16 gates from look_up_grad's buffer, as two blocks each in the pair functions'
+/// lane order (avx2; a template so that baseline never compiles its body).
+template <class E>
+inline void load_grad_pair(const E* p, VF ds[2], VF xs[2]) {
+  const float* f = &p->dsilu;
+  const __m256 a = _mm256_load_ps(f), b = _mm256_load_ps(f + 8), c = _mm256_load_ps(f + 16),
+               d = _mm256_load_ps(f + 24);
+  ds[0] = _mm256_shuffle_ps(a, b, 0x88);
+  xs[0] = _mm256_shuffle_ps(a, b, 0xdd);
+  ds[1] = _mm256_shuffle_ps(c, d, 0x88);
+  xs[1] = _mm256_shuffle_ps(c, d, 0xdd);
+}
+/// The same for a block of four in order (baseline).
+template <class E>
+inline void load_grad_block(const E* p, VF& ds, VF& xs) {
+  const float* f = &p->dsilu;
+  const __m128 a = _mm_load_ps(f), b = _mm_load_ps(f + 4);
+  ds = _mm_shuffle_ps(a, b, 0x88);
+  xs = _mm_shuffle_ps(a, b, 0xdd);
+}
+
+/// avx2: 16 bf16 copied from a buffer, streamed as two 16-byte halves when Stream (as store_bf16_pair).
+template <bool Stream, class T>
+inline void copy_pair(T* p, const T* from) {
+  const __m256i r = _mm256_load_si256(reinterpret_cast<const __m256i*>(from));
+  if constexpr (Stream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(r));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_extracti128_si256(r, 1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), r);
+  }
+}
+
+}  // namespace KERNMAP_CPU_LEVEL
+}  // namespace kernmap::cpu
