@@ -133,6 +133,16 @@ void rotary_has_the_eager_bits_and_float64_bound(const Case& c) {
       << "the gradient of q";
   EXPECT_TRUE(within(k.grad(), kd.grad(), rotary_bound(gk, cu, swap_halves(su), c.dtype)))
       << "the gradient of k";
+
+  // The incoming gradients in the outputs' layout (as an attention backward may hand them over: the heads of
+  // a position side by side in the "attention_views" layout), which the kernels walk in their own memory
+  // order: the same bits and layout as from contiguous ones.
+  at::Tensor q2 = in.q.detach().requires_grad_(true), k2 = in.k.detach().requires_grad_(true);
+  auto [qe2, ke2] = kernmap::apply_rotary(q2, k2, in.cos, in.sin, in.dim);
+  torch::autograd::backward({qe2, ke2}, {at::empty_like(qe2).copy_(gq), at::empty_like(ke2).copy_(gk)});
+  EXPECT_TRUE(same_bits(q2.grad(), q.grad())) << "the gradient of q, from a gradient in q_embed's layout";
+  EXPECT_TRUE(same_bits(k2.grad(), k.grad())) << "the gradient of k, from a gradient in k_embed's layout";
+  EXPECT_TRUE(same_layout(q2.grad(), q.grad())) << "the gradient of q";
 }
 
 // cos and sin that require a gradient (not transformers' case: its rotary embedding runs under no_grad) get
