@@ -138,16 +138,10 @@ inline void load_grad_block(const E* p, VF& ds, VF& xs) {
   xs = _mm_shuffle_ps(a, b, 0xdd);
 }
 
-/// avx2: 16 bf16 copied from a buffer, streamed as two 16-byte halves when Stream (as store_bf16_pair).
+/// avx2: 16 bf16 copied from a buffer (aligned to 32 bytes), stored as store_bf16_pair stores them.
 template <bool Stream, class T>
 inline void copy_pair(T* p, const T* from) {
-  const __m256i r = _mm256_load_si256(reinterpret_cast<const __m256i*>(from));
-  if constexpr (Stream) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(r));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_extracti128_si256(r, 1));
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), r);
-  }
+  store_packed_pair<Stream>(p, _mm256_load_si256(reinterpret_cast<const __m256i*>(from)));
 }
 
 }  // namespace KERNMAP_CPU_LEVEL

@@ -292,18 +292,23 @@ inline void load_bf16_pair(const BFloat16* p, VF& lo, VF& hi) {
   lo = (VF)_mm256_unpacklo_epi16(_mm256_setzero_si256(), v);
   hi = (VF)_mm256_unpackhi_epi16(_mm256_setzero_si256(), v);
 }
-/// Rounds lo and hi (lane order, as load_bf16_pair gives them) and stores the 16 elements in order; streamed
-/// as two 16-byte halves when Stream (p aligned as can_stream checks).
+/// 16 bf16 packed in order in r, stored; streamed as two 16-byte halves when Stream (p aligned as can_stream
+/// checks).
 template <bool Stream>
-inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
-  const __m256i r = _mm256_packus_epi32(_mm256_srli_epi32((__m256i)bf16_round_high(lo), 16),
-                                        _mm256_srli_epi32((__m256i)bf16_round_high(hi), 16));
+inline void store_packed_pair(BFloat16* p, __m256i r) {
   if constexpr (Stream) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(r));
     _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_extracti128_si256(r, 1));
   } else {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), r);
   }
+}
+/// Rounds lo and hi (lane order, as load_bf16_pair gives them) and stores the 16 elements in order
+/// (store_packed_pair).
+template <bool Stream>
+inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
+  store_packed_pair<Stream>(p, _mm256_packus_epi32(_mm256_srli_epi32((__m256i)bf16_round_high(lo), 16),
+                                                   _mm256_srli_epi32((__m256i)bf16_round_high(hi), 16)));
 }
 #endif
 
