@@ -5,9 +5,11 @@
 // dtype a case with FLOPs uses, and of fp32. Each row's floor is the larger of its bytes at the copy
 // bandwidth and its FLOPs at the fastest dense rate its level can use (fp32, or the case's dtype where the
 // level has that dtype's product instructions: kernels may compute a bf16 case in fp32); the row names the
-// limit its floor came from. With --levels, kernmap's implementations are timed at each level in the same
-// process (set_cpu_level switches every thread's kernel table between repetitions), interleaved with the
-// other implementations, which run once.
+// limit its floor came from. A level below the CPU's own is held to the dense fp32 rate of a CPU of that
+// level (bench_limit.h: OpenBLAS's kernels for it, measured in child processes), not to the machine's. With
+// --levels, kernmap's implementations are timed at each level in the same process (set_cpu_level switches
+// every thread's kernel table between repetitions), interleaved with the other implementations, which run
+// once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
@@ -30,6 +32,7 @@
 
 #include "cli/bench.h"
 #include "cli/bench_alloc.h"
+#include "cli/bench_limit.h"
 #include "cli/commands.h"
 #include "cli/json_output.h"
 #include "cli/options.h"
@@ -249,6 +252,67 @@ std::string short_dtype(const std::string& dtype) {
   return dtype == "float32" ? "fp32" : dtype == "bfloat16" ? "bf16" : dtype;
 }
 
+Json limit_json(const LevelLimit& l) {
+  Json cores = Json::array();
+  for (const CoreRate& c : l.cores)
+    cores.push_back({{"core", c.core},
+                     {"gflops", c.gflops > 0 ? Json(c.gflops) : Json(nullptr)},
+                     {"error", c.error.empty() ? Json(nullptr) : Json(c.error)}});
+  return {{"float32", l.gflops > 0 ? Json(l.gflops) : Json(nullptr)},
+          {"source", l.gflops > 0 ? Json("OpenBLAS " + l.core) : Json(nullptr)},
+          {"library", l.library.empty() ? Json(nullptr) : Json(l.library)},
+          {"error", l.error.empty() ? Json(nullptr) : Json(l.error)},
+          {"cores", cores}};
+}
+
+struct LimitOptions {
+  bool json = false;
+  std::string level;  // empty: every level the CPU runs
+  std::string core;   // the child's: one OpenBLAS core kind, measured in this process
+  int threads = 0;    // 0: torch's
+};
+
+// `kernmap bench limit`: each level's dense fp32 GEMM rate as a CPU of that level would reach it; with
+// --openblas-core (the child measure_level_limit runs) one core kind's rate, as one JSON line.
+int limit_command(const LimitOptions& o) {
+  const int threads = o.threads > 0 ? o.threads : at::get_num_threads();
+  if (!o.core.empty()) {
+    if (setenv("OPENBLAS_NUM_THREADS", std::to_string(threads).c_str(), 1) != 0)
+      throw std::runtime_error("cannot set OPENBLAS_NUM_THREADS");
+    const CoreRate r = measure_openblas_core(o.core);
+    std::printf("%s\n",
+                Json({{"core", r.core}, {"gflops", r.gflops}, {"library", r.library}}).dump().c_str());
+    return 0;
+  }
+  const std::vector<std::string> levels =
+      o.level.empty() ? supported_cpu_levels() : std::vector<std::string>{o.level};
+  std::vector<LevelLimit> limits;
+  for (const std::string& level : levels) limits.push_back(measure_level_limit(level, threads));
+  const bool all_measured =
+      std::all_of(limits.begin(), limits.end(), [](const LevelLimit& l) { return l.gflops > 0; });
+  if (o.json) {
+    Json doc = {{"cpu_model", cpu_model()}, {"threads", threads}, {"levels", Json::object()}};
+    for (const LevelLimit& l : limits) doc["levels"][l.level] = limit_json(l);
+    print_json(doc);
+    return all_measured ? 0 : 1;
+  }
+  std::printf("dense fp32 GEMM of a CPU of each level (OpenBLAS's kernels for that level), %d threads:\n",
+              threads);
+  for (const LevelLimit& l : limits) {
+    if (l.gflops > 0)
+      std::printf("%s: %.1f GFLOP/s (OpenBLAS %s)", l.level.c_str(), l.gflops, l.core.c_str());
+    else
+      std::printf("%s: not measured (%s)", l.level.c_str(), l.error.c_str());
+    std::string each;
+    for (const CoreRate& c : l.cores)
+      each += (each.empty() ? "" : ", ") + c.core + " " + (c.gflops > 0 ? fixed(c.gflops, 1) : "failed");
+    std::printf("; %s\n", each.c_str());
+  }
+  if (!limits.empty() && !limits.front().library.empty())
+    std::printf("library: %s\n", limits.front().library.c_str());
+  return all_measured ? 0 : 1;
+}
+
 std::string bytes_text(int64_t b) {
   if (b <= 0) return "?";
   if (b % (int64_t(1) << 20) == 0) return std::to_string(b >> 20) + " MiB";
@@ -297,6 +361,11 @@ int bench_command(const Options& o) {
   // Dense GFLOP/s per dtype, measured when a case does FLOPs: its dtype's and fp32's (the honest limit of a
   // low-precision case computed in fp32).
   std::map<std::string, double> peak;
+  // The levels run below the CPU's own (its highest supported level: torch's products run there whatever
+  // KERNMAP_CPU_ISA says): their kernels' products are held to a CPU of that level's dense fp32 rate,
+  // measured when the first case with level-bound FLOPs comes.
+  const std::string cpu_top = supported_cpu_levels().back();
+  std::map<std::string, LevelLimit> level_limits;
   std::vector<Row> rows;
   for (size_t i = 0; i < planned.size(); ++i) {
     const auto& [factory, dt] = planned[i];
@@ -329,6 +398,10 @@ int bench_command(const Options& o) {
                      c.pass.c_str(), dt.c_str(), c.shape.c_str());
       for (const std::string& d : {dt, std::string("float32")})
         if (c.flops > 0 && !peak.count(d)) peak[d] = dense_gflops(d, o);
+      if (c.flops > 0 && c.level_bound_flops)
+        for (const std::string& level : levels)
+          if (level != cpu_top && !level_limits.count(level))
+            level_limits[level] = measure_level_limit(level, at::get_num_threads());
       Options co = o;
       if (c.max_reps > 0) {
         co.reps = std::min(o.reps, c.max_reps);
@@ -375,10 +448,19 @@ int bench_command(const Options& o) {
     std::string source;
     for (const std::string& d : {std::string("float32"), r.c.dtype}) {
       if (!peak.count(d) || (level_bound && !level_computes_in(r.level, d))) continue;
-      const double ms = r.c.flops / (peak.at(d) * 1e6);
+      double rate = peak.at(d);
+      std::string from = "gemm " + short_dtype(d);
+      // A lower level's fp32 products: the rate of a CPU of that level. Its bf16 products (avx512bf16 on a
+      // CPU with AMX) stay held to the machine's bf16 rate, the tiles', which that level does not reach.
+      const auto limit = level_limits.find(r.level);
+      if (level_bound && d == "float32" && limit != level_limits.end() && limit->second.gflops > 0) {
+        rate = limit->second.gflops;
+        from = "gemm fp32 at " + r.level;
+      }
+      const double ms = r.c.flops / (rate * 1e6);
       if (source.empty() || ms < compute) {
         compute = ms;
-        source = "gemm " + short_dtype(d);
+        source = from;
       }
     }
     if (compute > f.ms) f = {compute, source};
@@ -422,6 +504,8 @@ int bench_command(const Options& o) {
     }
     Json dense = Json::object();
     for (const auto& [dt, g] : peak) dense[dt] = g;
+    Json level_dense = Json::object();
+    for (const auto& [level, limit] : level_limits) level_dense[level] = limit_json(limit);
     print_json(
         {{"machine",
           {{"cpu_model", model},
@@ -433,6 +517,7 @@ int bench_command(const Options& o) {
             {{"l1d_bytes", caches.l1d_bytes}, {"l2_bytes", caches.l2_bytes}, {"l3_bytes", caches.l3_bytes}}},
            {"copy_gbps", copy},
            {"dense_gflops", dense},
+           {"level_dense_gflops", level_dense},
            {"threads", at::get_num_threads()}}},
          {"results", results}});
     return 0;
@@ -460,8 +545,16 @@ int bench_command(const Options& o) {
       "repetitions, each row's floor from its case's)",
       copy, case_min, case_max);
   for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
+  for (const auto& [level, limit] : level_limits)
+    if (limit.gflops > 0)
+      std::printf(", at %s %.1f (fp32, OpenBLAS %s)", level.c_str(), limit.gflops, limit.core.c_str());
   std::printf("; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians\n\n",
               at::get_num_threads(), o.warmup, o.reps);
+  for (const auto& [level, limit] : level_limits)
+    if (limit.gflops <= 0)
+      std::printf(
+          "note: no dense rate for a CPU of level %s (%s): its product rows are held to the machine's\n",
+          level.c_str(), limit.error.c_str());
   Table t{{"op", "pass", "dtype", "shape", "impl", "level", "median ms", "min..max ms", "GB/s", "% copy",
            "GFLOP/s", "floor ms", "floor by", "x floor", "speedup", "peak MB"},
           {}};
@@ -479,7 +572,8 @@ int bench_command(const Options& o) {
 }  // namespace
 
 Command add_bench_command(CLI::App& parent) {
-  CLI::App* bench = parent.add_subcommand("bench", "kernel benchmarks (kernmap bench ops --help)");
+  CLI::App* bench = parent.add_subcommand(
+      "bench", "kernel benchmarks (kernmap bench ops --help, kernmap bench limit --help)");
   bench->require_subcommand(0, 1);
   CLI::App* ops = bench->add_subcommand(
       "ops",
@@ -502,11 +596,31 @@ Command add_bench_command(CLI::App& parent) {
   add_integer(*ops, "--warmup", o->warmup, 0, 100000, "untimed runs of each implementation first");
   add_integer(*ops, "--reps", o->reps, 1, 100000,
               "timed runs of each implementation, whose median is reported");
-  auto check = [ops, o] {
-    if (!ops->parsed()) throw UsageError("expected 'bench ops', got 'bench'");
+  CLI::App* limit = bench->add_subcommand(
+      "limit",
+      "the dense fp32 GEMM rate of a CPU of each level this one runs (OpenBLAS's kernels for that level): "
+      "what `bench ops` holds a lower level's product rows to");
+  limit->group("Commands")->fallthrough();
+  auto lo = std::make_shared<LimitOptions>();
+  limit->add_flag("--json", lo->json, "one JSON document instead of the lines");
+  add_choice(*limit, "--level", lo->level, {"baseline", "avx2", "avx512", "avx512bf16", "amx"},
+             "one level (default: every level this CPU runs)");
+  add_integer(*limit, "--threads", lo->threads, 1, 4096, "threads of the product (default: torch's)");
+  add_text(*limit, "--openblas-core", lo->core, "CORE", "an OpenBLAS core kind",
+           "measure one OpenBLAS core kind in this process (what --level runs once per kind)")
+      ->group("");
+  auto check = [ops, limit, o, lo] {
+    if (limit->parsed()) {
+      const std::vector<std::string> supported = supported_cpu_levels();
+      if (!lo->level.empty() && std::find(supported.begin(), supported.end(), lo->level) == supported.end())
+        throw UsageError("--level: this CPU does not run level '" + lo->level + "' (it runs " +
+                         join(supported) + ")");
+      return;
+    }
+    if (!ops->parsed()) throw UsageError("expected 'bench ops' or 'bench limit', got 'bench'");
     (void)levels_to_run(o->levels);  // a bad --levels is refused before anything is measured
   };
-  return {bench, check, [o] { return bench_command(*o); }};
+  return {bench, check, [limit, o, lo] { return limit->parsed() ? limit_command(*lo) : bench_command(*o); }};
 }
 
 }  // namespace kernmap::cli

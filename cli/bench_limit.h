@@ -1,0 +1,47 @@
+// The dense fp32 GEMM rate of a lower CPU level: what a CPU of that level's instruction set would reach, for
+// the compute floors of kernmap's kernels timed at that level (`kernmap bench ops --levels`, `kernmap bench
+// limit`). The machine's own GEMM (torch's MKL) runs at the machine's best instructions whatever the level,
+// and MKL's own cap (MKL_ENABLE_INSTRUCTIONS) is not honoured on every CPU (AMD EPYC Zen 3: 186 GFLOP/s
+// capped at SSE4.2 as uncapped), so the rate comes from OpenBLAS, whose kernels for each core kind can be
+// chosen at load (OPENBLAS_CORETYPE; Debian's libopenblas0 is built for all of them), in a child process per
+// core kind (docs/performance.md, "Emulating another CPU").
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kernmap::cli {
+
+/// One OpenBLAS core kind measured for a level.
+struct CoreRate {
+  std::string core;     ///< OPENBLAS_CORETYPE ("Core2", "Haswell")
+  double gflops = 0;    ///< 0 where it could not be measured
+  std::string error;    ///< why not (the child's message), else empty
+  std::string library;  ///< the library's configuration string (version, build)
+};
+
+/// A level's dense fp32 GEMM limit: the fastest of OpenBLAS's kernels for the core kinds of that level's
+/// instruction set.
+struct LevelLimit {
+  std::string level;
+  double gflops = 0;  ///< 0: not measured (error says why)
+  std::string core;   ///< the core kind that gave it
+  std::string library;
+  std::string error;
+  std::vector<CoreRate> cores;
+};
+
+/// OpenBLAS's core kinds whose kernels use only the instructions of `level` (the pre-AVX cores for
+/// baseline, the AVX2 ones for avx2, ...).
+std::vector<std::string> openblas_cores_of(const std::string& level);
+
+/// Measures the level's limit with `threads` threads, one child process (this executable, `bench limit
+/// --openblas-core`) per core kind. Never throws for a missing or unusable library: the error says why.
+LevelLimit measure_level_limit(const std::string& level, int threads);
+
+/// In this process (the child): loads OpenBLAS (KERNMAP_OPENBLAS, else libopenblas.so.0) with the core kind
+/// OPENBLAS_CORETYPE names, checks that it runs that kind, and times a square fp32 product. Throws
+/// std::runtime_error naming what is missing or wrong.
+CoreRate measure_openblas_core(const std::string& core);
+
+}  // namespace kernmap::cli
