@@ -128,21 +128,27 @@ def test_bench_levels_all_times_kernmap_at_each_level_up_to_the_cap(run_cli):
 @pytest.mark.slow
 def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(run_cli):
     # bf16 grouped products: at a level without bf16 dot products the compute floor is the fp32 GEMM rate,
-    # measured in the same run, whatever the bf16 GEMM rate.
+    # measured in the same run, whatever the bf16 GEMM rate; at a level below the CPU's own, the fp32 rate of a
+    # CPU of that level (OpenBLAS's kernels for it), measured in the same run too.
     levels = supported_levels(run_cli)
-    wanted = [lv for lv in ("avx2", "avx512", "avx512bf16", "amx") if lv in levels][-2:]
-    if not wanted:
-        pytest.skip("this CPU runs no avx2")
+    if len(levels) < 2:
+        pytest.skip("this CPU runs one level only")
+    wanted = levels[-2:]
     out = run_cli("bench", "ops", "--json", "--filter", "^grouped_mm/bfloat16", "--shape", "T256$",
                   "--impl", "/fwd/(kernmap|dense)$", "--levels", ",".join(wanted), "--warmup", "0", "--reps", "1")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     dense = doc["machine"]["dense_gflops"]
     assert set(dense) == {"float32", "bfloat16"} and min(dense.values()) > 0
+    below = doc["machine"]["level_dense_gflops"]
+    assert set(below) == {wanted[0]}  # the levels run below the CPU's own
+    assert below[wanted[0]]["float32"] > 0, below
     rows = doc["results"]
     assert sorted(r["level"] or "" for r in rows) == sorted(["", *wanted])
     for r in rows:
         rates = {"gemm fp32": dense["float32"]}
+        if r["level"] == wanted[0]:
+            rates = {f"gemm fp32 at {wanted[0]}": below[wanted[0]]["float32"]}
         if r["level"] in ("avx512bf16", "amx", None):  # bf16 products, or the dense row (not kernmap's)
             rates["gemm bf16"] = dense["bfloat16"]
         source, rate = max(rates.items(), key=lambda kv: kv[1])
@@ -150,6 +156,75 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
         assert r["flops"] > 0 and r["floor_source"] == (source if compute > memory else "copy"), r
         assert r["floor_ms"] == pytest.approx(max(compute, memory))
         assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
+
+
+OPENBLAS_BASELINE = ["Core2", "Penryn", "Dunnington", "Nehalem"]
+
+
+@pytest.mark.slow
+def test_bench_limit_is_the_fastest_openblas_core_kind_of_the_level(run_cli):
+    out = run_cli("bench", "limit", "--level", "baseline", "--threads", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["threads"] == 1 and list(doc["levels"]) == ["baseline"]
+    level = doc["levels"]["baseline"]
+    assert [c["core"] for c in level["cores"]] == OPENBLAS_BASELINE
+    assert all(c["gflops"] > 0 and c["error"] is None for c in level["cores"]), level
+    best = max(level["cores"], key=lambda c: c["gflops"])
+    assert level["float32"] == best["gflops"] and level["source"] == "OpenBLAS " + best["core"]
+    assert level["library"].startswith("OpenBLAS") and level["error"] is None
+
+
+def test_bench_limit_measures_one_core_kind_and_refuses_an_unknown_one(run_cli):
+    # The child process measure_level_limit runs: one JSON line; a kind OpenBLAS does not run is refused (it
+    # would silently fall back to the CPU's own kind otherwise).
+    out = run_cli("bench", "limit", "--openblas-core", "Core2", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout)
+    assert line["core"] == "Core2" and line["gflops"] > 0 and "Core2" in line["library"]
+    bad = run_cli("bench", "limit", "--openblas-core", "Pentium9")
+    assert bad.returncode == 1
+    assert "not the requested 'Pentium9'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("library, why", [("/nonexistent/libopenblas.so.0", "cannot load OpenBLAS from"),
+                                          ("libm.so.6", "is not OpenBLAS: it lacks cblas_sgemm")])
+def test_bench_limit_without_a_usable_openblas_says_why(run_cli, library, why):
+    env = {"KERNMAP_OPENBLAS": library}
+    out = run_cli("bench", "limit", "--level", "baseline", env=env)
+    assert out.returncode == 1
+    assert "baseline: not measured (" in out.stdout and why in out.stdout and library in out.stdout, out.stdout
+    doc = json.loads(run_cli("bench", "limit", "--level", "baseline", "--json", env=env).stdout)
+    level = doc["levels"]["baseline"]
+    assert level["float32"] is None and why in level["error"]
+    assert all(c["gflops"] is None and why in c["error"] for c in level["cores"])
+
+
+@pytest.mark.slow
+def test_bench_ops_without_openblas_holds_a_lower_level_to_the_machines_rate_and_says_so(run_cli):
+    levels = supported_levels(run_cli)
+    if len(levels) < 2:
+        pytest.skip("this CPU runs one level only")
+    args = ["bench", "ops", "--filter", "^grouped_mm/float32", "--shape", "T256$", "--impl", "^grouped_mm/fwd/kernmap$",
+            "--levels", levels[0], "--warmup", "0", "--reps", "1"]
+    out = run_cli(*args, "--json", env={"KERNMAP_OPENBLAS": "/nonexistent/libopenblas.so.0"})
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    below = doc["machine"]["level_dense_gflops"][levels[0]]
+    assert below["float32"] is None and "cannot load OpenBLAS" in below["error"]
+    (row,) = doc["results"]
+    assert row["level"] == levels[0] and row["floor_source"] in ("gemm fp32", "copy")
+
+
+def test_bench_limit_refuses_a_level_this_cpu_does_not_run(run_cli):
+    levels = supported_levels(run_cli)
+    missing = [lv for lv in ("avx2", "avx512", "avx512bf16", "amx") if lv not in levels]
+    if missing:
+        out = run_cli("bench", "limit", "--level", missing[-1])
+        assert out.returncode == 2
+        assert f"this CPU does not run level '{missing[-1]}' (it runs {', '.join(levels)})" in out.stderr
+    out = run_cli("bench", "limit", "--level", "sse9")
+    assert out.returncode == 2 and "--level" in out.stderr and "sse9" in out.stderr
 
 
 TINY = ["--preset", "qwen2-tiny", "--steps", 2, "--seq-len", 8, "--batch-size", 2, "--threads", 1]
@@ -277,7 +352,7 @@ def test_top_level_help_and_usage(run_cli):
      "kernmap train: unknown option '--rtol' (kernmap train --help lists its options)\n"),
     (["kernels", "extra"], "kernmap kernels: unexpected argument 'extra' (kernmap kernels --help lists its options)\n"),
     (["bench", "ops", "--frob"], "kernmap bench: unknown option '--frob' (kernmap bench ops --help lists its options)\n"),
-    (["bench"], "kernmap bench: expected 'bench ops', got 'bench'\n"),
+    (["bench"], "kernmap bench: expected 'bench ops' or 'bench limit', got 'bench'\n"),
     (["lock"], "kernmap lock: DIR is required\n"),
     (["lock", "a", "b"], "kernmap lock: unexpected argument 'b' (kernmap lock --help lists its options)\n"),
     (["plan"], "kernmap plan: give exactly one of --preset NAME (one of qwen2-tiny, qwen2-moe-tiny, "
