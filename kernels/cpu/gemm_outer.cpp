@@ -37,6 +37,14 @@ constexpr int kStreamVecs = kBcastVecs;
 constexpr int kStreamRows = 3;
 constexpr int kStreamVecs = 4;
 #endif
+// Whether the row order streams a register block's rows 1.. one and more blocks after row 0 (outer_blocks):
+// measured on AMD Zen 3 at avx2; the AVX-512 levels (4 x 4 blocks, four lines a row) keep writing all rows at
+// once, unmeasured there.
+#if defined(__AVX512F__)
+constexpr bool kLaterRows = false;
+#else
+constexpr bool kLaterRows = true;
+#endif
 // The row-order path's last panel is one of kBcastVecs where Nw leaves part of a kStreamVecs one.
 static_assert(kStreamVecs == kBcastVecs || kStreamVecs == 2 * kBcastVecs);
 
@@ -124,9 +132,13 @@ struct Fetch {
 // Scalar math: C[m, n] = round(sum_p float(A(m, p)) * float(B[p, n])), p in order.
 // Register block: MR rows of C x NV vectors along n, over P steps of p (one block of the reduction).
 // ABlock: A is a row block of outer_blocks' copy, A(i, p) at A[p * MR + i] (a_m and a_p unused).
-template <class T, int MR, int NV, bool Stream, class TA = T, class TB = T, bool ABlock = false>
+// Later: only row 0 goes to C; rows 1.. are stored as they are (store_native) to `later`, NV vectors a row,
+// for the caller to write out (outer_blocks' row order, which streams them a block or two later).
+template <class T, int MR, int NV, bool Stream, class TA = T, class TB = T, bool ABlock = false,
+          bool Later = false>
 void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb, T* C, int64_t ldc,
-                 int64_t P, const Partial<Acc<T>>& part, bool near = true, Fetch fetch = {}) {
+                 int64_t P, const Partial<Acc<T>>& part, bool near = true, Fetch fetch = {},
+                 Acc<T>* later = nullptr) {
   using Ac = Acc<T>;
   using V = Vec<Ac>;
   V acc[MR][NV];
@@ -152,6 +164,12 @@ void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb
   if (part.park) {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NV; ++j) store_native(part.sums + i * part.ld + j * kBlock, acc[i][j]);
+    return;
+  }
+  if constexpr (Later) {
+    for (int j = 0; j < NV; ++j) store_out<Stream>(C + j * kBlock, acc[0][j]);
+    for (int i = 1; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) store_native(later + ((i - 1) * NV + j) * kBlock, acc[i][j]);
     return;
   }
   for (int i = 0; i < MR; ++i)
@@ -806,9 +824,36 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         T* const c = C + m * ldc;
         const int64_t ns = Ns, nw = Nw, steps = P, ld = ldc, am = a_m, ap = a_p;
         const Partial<Ac> one{nullptr, 0, false, false};
-        for (int64_t n = 0; n < ns; n += swide)
-          bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n, ld,
-                                                                  steps, one, false);
+        // Row i of the block is streamed i register blocks after row 0 (from a small buffer that stays in
+        // L1): streamed stores to lines with the same low 12 address bits in several rows at once ran far
+        // slower than the same stores spread over the page (C rows a multiple of 4 KiB apart — gate_up's
+        // weight gradient, rows of 2048 fp32 — put a block's three rows' lines at the same offsets). zen3-vm,
+        // 2 threads, 1.6 GB of C at P = 16, by C's row length (fp32 columns): 2048: 146-168 -> 101-102 ms
+        // (the same rows padded by 32-256 columns, unskewed: 87-94), 1024: 129 -> 95, 4096: 105 -> 72, 1536:
+        // 100 -> 95, 768: 51 -> 50 (docs/performance.md, "gemm_bcast reduction blocks").
+        if constexpr (kLaterRows && MR > 1) {
+          alignas(64) Ac later[MR][(MR - 1) * swide];  // block k's rows 1.. in slot k % MR
+          Ac* const buf = &later[0][0];
+          const auto stream_later = [buf, c, ld](int64_t k, int i) {
+            constexpr int64_t w = kStreamVecs * kBlock;
+            const Ac* src = buf + (k % MR) * (MR - 1) * w + (i - 1) * w;
+            T* dst = c + i * ld + k * w;
+            for (int64_t v = 0; v < w; v += kBlock) store_out<Stream>(dst + v, load_native(src + v));
+          };
+          int64_t blocks = 0;
+          for (int64_t n = 0; n < ns; n += swide, ++blocks) {
+            bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock, true>(
+                a, am, ap, sl + n * steps, swide, c + n, ld, steps, one, false, {}, later[blocks % MR]);
+            for (int i = 1; i < MR && i <= blocks; ++i) stream_later(blocks - i, i);
+          }
+          for (int64_t k = blocks; k < blocks + MR - 1; ++k)  // the last blocks' later rows
+            for (int i = 1; i < MR; ++i)
+              if (k - i >= 0 && k - i < blocks) stream_later(k - i, i);
+        } else {
+          for (int64_t n = 0; n < ns; n += swide)
+            bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n,
+                                                                    ld, steps, one, false);
+        }
         if constexpr (kStreamVecs != kBcastVecs)
           if (ns < nw)
             bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, am, ap, sl + ns * steps, wide, c + ns,

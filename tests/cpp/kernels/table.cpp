@@ -339,7 +339,11 @@ const std::vector<Row>& kernel_table() {
                   // 208, a leftover vector at 200, one and two leftover rows).
                   {.sizes = {{"M", 56}, {"N", 208}, {"P", 16}}, .layouts = {"At"}},
                   {.sizes = {{"M", 58}, {"N", 192}, {"P", 31}}, .layouts = {"At_B4k"}},
-                  {.sizes = {{"M", 57}, {"N", 200}, {"P", 9}}, .layouts = {"A"}}},
+                  {.sizes = {{"M", 57}, {"N", 200}, {"P", 9}}, .layouts = {"A"}},
+                  // Rows past the first streamed one and two register blocks later at avx2: a row of one
+                  // register block and a half panel, and of two (fewer blocks than the delay).
+                  {.sizes = {{"M", 57}, {"N", 48}, {"P", 16}}, .layouts = {"At_B4k"}},
+                  {.sizes = {{"M", 56}, {"N", 64}, {"P", 5}}, .layouts = {"A"}}},
        .layouts = {},
        .check = gemm_bcast_independent_of_row_split_and_streaming,
        .skip = [](const Case& c) { return fp64_past(c, 300); }},
