@@ -133,7 +133,7 @@ struct Fetch {
 // Register block: MR rows of C x NV vectors along n, over P steps of p (one block of the reduction).
 // ABlock: A is a row block of outer_blocks' copy, A(i, p) at A[p * MR + i] (a_m and a_p unused).
 // Later: only row 0 goes to C; rows 1.. are stored as they are (store_native) to `later`, NV vectors a row,
-// for the caller to write out (outer_blocks' row order, which streams them a block or two later).
+// for the caller to write out (outer_blocks' row order, which streams row i i blocks later).
 template <class T, int MR, int NV, bool Stream, class TA = T, class TB = T, bool ABlock = false,
           bool Later = false>
 void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb, T* C, int64_t ldc,
@@ -828,9 +828,9 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         // L1): streamed stores to lines with the same low 12 address bits in several rows at once ran far
         // slower than the same stores spread over the page (C rows a multiple of 4 KiB apart — gate_up's
         // weight gradient, rows of 2048 fp32 — put a block's three rows' lines at the same offsets). zen3-vm,
-        // 2 threads, 1.6 GB of C at P = 16, by C's row length (fp32 columns): 2048: 146-168 -> 101-102 ms
-        // (the same rows padded by 32-256 columns, unskewed: 87-94), 1024: 129 -> 95, 4096: 105 -> 72, 1536:
-        // 100 -> 95, 768: 51 -> 50 (docs/performance.md, "gemm_bcast reduction blocks").
+        // 2 threads, 1.6 GB of C at P = 16, by C's row length (fp32 columns): 2048: 146-168 -> 98-102 ms
+        // (the same rows padded by 32-256 columns, not delayed: 87-94), 1024: 129 -> 95, 4096: 105 -> 72,
+        // 1536: 100 -> 92-95, 768: 44-51 -> 48-50 (docs/performance.md, "Rows of 8 KiB, explained").
         if constexpr (kLaterRows && MR > 1) {
           alignas(64) Ac later[MR][(MR - 1) * swide];  // block k's rows 1.. in slot k % MR
           Ac* const buf = &later[0][0];
