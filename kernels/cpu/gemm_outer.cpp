@@ -830,7 +830,8 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         // weight gradient, rows of 2048 fp32 — put a block's three rows' lines at the same offsets). zen3-vm,
         // 2 threads, 1.6 GB of C at P = 16, by C's row length (fp32 columns): 2048: 146-168 -> 98-102 ms
         // (the same rows padded by 32-256 columns, not delayed: 87-94), 1024: 129 -> 95, 4096: 105 -> 72,
-        // 1536: 100 -> 92-95, 768: 44-51 -> 48-50 (docs/performance.md, "Rows of 8 KiB, explained").
+        // 1536: 100 -> 92-95, 768: 44-51 -> 48-50 (docs/performance.md, "gemm_bcast reduction blocks", its
+        // entry "Rows of 8 KiB, explained").
         if constexpr (kLaterRows && MR > 1) {
           alignas(64) Ac later[MR][(MR - 1) * swide];  // block k's rows 1.. in slot k % MR
           Ac* const buf = &later[0][0];
