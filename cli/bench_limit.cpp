@@ -30,11 +30,6 @@ using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, c
 using Text = char* (*)();
 constexpr int kRowMajor = 101, kNoTrans = 111;
 
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 // The median of `reps` products of n x n (after `warmup`), in ms.
 double product_ms(Sgemm sgemm, int n, int warmup, int reps) {
   std::vector<float> a(size_t(n) * n), b(size_t(n) * n), c(size_t(n) * n);
@@ -121,6 +116,17 @@ std::string last_line(std::string s) {
 
 }  // namespace
 
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int dense_product_side(double ms_at_512) {
+  int n = 2048;
+  while (n > 512 && ms_at_512 * double(n / 512) * double(n / 512) * double(n / 512) > 500) n /= 2;
+  return n;
+}
+
 std::vector<std::string> openblas_cores_of(const std::string& level) {
   // Core kinds whose sgemm kernels need no more than the level's instructions: baseline (SSE2) the pre-AVX
   // cores (their kernels use SSE2-SSE4; Prescott's and Atom's are slower than these on every core measured),
@@ -163,11 +169,7 @@ CoreRate measure_openblas_core(const std::string& core) {
   CoreRate r;
   r.core = core;
   r.library = config();
-  // As the machine's dense rate (bench_ops.cpp, dense_gflops): 2048 on a side, smaller where one product
-  // would take over half a second.
-  const double probe = product_ms(sgemm, 512, 1, 1);
-  int n = 2048;
-  while (n > 512 && probe * double(n / 512) * double(n / 512) * double(n / 512) > 500) n /= 2;
+  const int n = dense_product_side(product_ms(sgemm, 512, 1, 1));
   r.gflops = 2.0 * double(n) * n * n / (product_ms(sgemm, n, 1, 5) * 1e6);
   return r;
 }

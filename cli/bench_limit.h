@@ -12,6 +12,15 @@
 
 namespace kernmap::cli {
 
+/// The benches' clock: steady-clock milliseconds.
+double now_ms();
+
+/// The side of the square product a dense rate is measured on, from one 512-sided product's ms: 2048, or 1024
+/// or 512 where one product at 2048 would take over half a second (a CPU without instructions for a dtype can
+/// run it hundreds of times below the fp32 rate). Both the machine's rates (bench_ops.cpp) and a level's use
+/// it.
+int dense_product_side(double ms_at_512);
+
 /// One OpenBLAS core kind measured for a level.
 struct CoreRate {
   std::string core;     ///< OPENBLAS_CORETYPE ("Core2", "Haswell")

@@ -20,7 +20,6 @@
 #include <sys/resource.h>
 #include <unistd.h>
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -126,11 +125,6 @@ Timing stats(std::vector<double> ms, double peak_bytes, double faults) {
   return {ms[ms.size() / 2], ms.front(), ms.back(), peak_bytes, faults / static_cast<double>(ms.size())};
 }
 
-double now_ms() {
-  using clock = std::chrono::steady_clock;
-  return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
-}
-
 // Page faults of this process so far (minor: memory the kernel maps in, zeroed).
 int64_t minor_faults() {
   rusage u{};
@@ -228,9 +222,7 @@ double dense_gflops(const std::string& dtype, const Options& o) {
                             opts)[0]
         .median_ms;
   };
-  const double probe_ms = product_ms(512, 1, 1);
-  int64_t n = 2048;
-  while (n > 512 && probe_ms * static_cast<double>((n / 512) * (n / 512) * (n / 512)) > 500) n /= 2;
+  const int64_t n = dense_product_side(product_ms(512, 1, 1));
   const double ms = product_ms(n, o.warmup, std::max(3, std::min(o.reps, 7)));
   return 2.0 * static_cast<double>(n * n * n) / (ms * 1e6);
 }
