@@ -120,19 +120,18 @@ std::vector<Task> bcast_tiles(const std::vector<int64_t>& starts, int64_t N) {
 }
 
 // Tasks of the weight gradients out[e] = x_e^T y_e ([M, N] per group): row tiles of each group's block over
-// all N columns; r0, r1 are rows of out[e]. A group whose reduction is long (its rows of y over
-// kernels/cpu/cache.h's short_reduction_bytes: the kernel may block the reduction and keep partial sums of
-// rows x N in scratch) takes tiles of rows x N <= scratch_elems(); a short one, computed in one pass, takes
-// kShortReductionRows rows a task: each task packs its rows of x^T and prepares each panel of y once for all
-// of them (docs/performance.md, "Grouped products: tasks and routing").
+// all N columns; r0, r1 are rows of out[e]. A group whose reduction the kernel computes in one pass
+// (kernels/cpu/cache.h's one_pass_reduction) takes kShortReductionRows rows a task: each task packs its rows
+// of x^T and prepares each panel of y once for all of them; a longer one (the kernel blocks the reduction and
+// keeps partial sums of rows x N in scratch) takes tiles of rows x N <= scratch_elems() (docs/performance.md,
+// "Grouped products: tasks and routing").
 constexpr int64_t kShortReductionRows = 512;
 std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t M, int64_t N,
                                     int64_t elem_size) {
   const int64_t long_step = std::max<int64_t>(4, scratch_elems() / std::max<int64_t>(N, 1) / 4 * 4);
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < starts.size(); ++e) {
-    const bool short_reduction =
-        (starts[e + 1] - starts[e]) * N * elem_size <= cpu::short_reduction_bytes(elem_size);
+    const bool short_reduction = cpu::one_pass_reduction(starts[e + 1] - starts[e], N, elem_size);
     const int64_t row_step = short_reduction ? std::max(long_step, kShortReductionRows) : long_step;
     for (int64_t r = 0; r < M; r += row_step)
       tasks.push_back({static_cast<int64_t>(e), r, std::min(r + row_step, M), 0, N});

@@ -762,12 +762,16 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // against 157-175 ms; the copy has no such phase. Streamed fp32 only: with plain stores (baseline) the
   // panels-outer order, its panel in L1, ran 4 % faster, and the other types' blocks, inlined once more,
   // compiled slower (bf16 at avx2 106-110 -> 172-188 ms with the order unchanged; docs/performance.md,
-  // "gemm_bcast reduction blocks").
+  // "gemm_bcast reduction blocks"). Longer reductions, up to one_pass_reduction's limit
+  // (kernels/cpu/cache.h), take the same order column range by column range, each range's rows of B within
+  // short_reduction_bytes: blocked in 16-row tasks, their partial sums parked, gate_up's weight gradient at
+  // 42-83 / 101-159 / 215-288 / 444-561 rows a group took 512 / 1059 / 1949 / 3636 ms, in one pass 327 / 661
+  // / 1249 / 2491 (zen3-vm, avx2, 2 threads; compute floors 282 / 563 / 1127 / 2253).
   constexpr bool kRowsOuter = Stream && std::is_same_v<T, float>;
   bool rows_outer = false;
   if constexpr (kRowsOuter)
-    rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks &&
-                 P * Nw * int64_t(sizeof(T)) <= short_reduction_bytes(sizeof(T));
+    rows_outer =
+        P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks && one_pass_reduction(P, Nw, sizeof(T));
   const TA* A = nullptr;
   if constexpr (std::is_same_v<TA, T>) A = A_in;
   if constexpr (kABlock) {
@@ -805,14 +809,22 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   if constexpr (kRowsOuter) {
     // Register blocks of kStreamRows x kStreamVecs: panels of kStreamVecs vectors (the last of kBcastVecs
     // where Nw leaves part of one), panel n at slab + n * P, its P rows contiguous.
-    if (rows_outer) {
-      constexpr int64_t swide = kStreamVecs * kBlock;
-      const int64_t Ns = Nw - Nw % swide;
-      T* slab = scratch<T, 2>(P * Nw);
+    constexpr int64_t swide = kStreamVecs * kBlock;
+    // Columns of B's copy: all of Nw when its P rows fit short_reduction_bytes, else the most panels that
+    // do, column range after column range (one_pass_reduction leaves room for at least one panel).
+    const int64_t chunk =
+        !rows_outer || P * Nw * int64_t(sizeof(T)) <= short_reduction_bytes(sizeof(T))
+            ? Nw
+            : std::max<int64_t>(1, short_reduction_bytes(sizeof(T)) / (P * int64_t(sizeof(T)) * swide)) *
+                  swide;
+    for (int64_t c0 = 0; rows_outer && c0 < Nw; c0 += chunk) {
+      const int64_t Nc = std::min(chunk, Nw - c0);
+      const int64_t Ns = Nc - Nc % swide;
+      T* slab = scratch<T, 2>(P * Nc);
       for (int64_t p = 0; p < P; ++p)
-        for (int64_t n = 0; n < Nw; n += swide) {
-          const int64_t w = std::min(swide, Nw - n);
-          std::memcpy(slab + n * P + p * w, B + p * ldb + n, w * sizeof(T));
+        for (int64_t n = 0; n < Nc; n += swide) {
+          const int64_t w = std::min(swide, Nc - n);
+          std::memcpy(slab + n * P + p * w, B + p * ldb + c0 + n, w * sizeof(T));
         }
       row_blocks<kStreamRows>(M, [&](auto rows, int64_t m) {
         constexpr int MR = decltype(rows)::value;
@@ -821,8 +833,8 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         // a load whose address matched a streamed store's low 12 bits waited for that store.
         const TA* a = a_block(m, MR, 0);
         const T* const sl = slab;
-        T* const c = C + m * ldc;
-        const int64_t ns = Ns, nw = Nw, steps = P, ld = ldc, am = a_m, ap = a_p;
+        T* const c = C + m * ldc + c0;
+        const int64_t ns = Ns, nw = Nc, steps = P, ld = ldc, am = a_m, ap = a_p;
         const Partial<Ac> one{nullptr, 0, false, false};
         // Row i of the block is streamed i register blocks after row 0 (from a small buffer that stays in
         // L1): streamed stores to lines with the same low 12 address bits in several rows at once ran far

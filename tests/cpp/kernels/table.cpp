@@ -343,7 +343,14 @@ const std::vector<Row>& kernel_table() {
                   // Rows past the first streamed one and two register blocks later at avx2: a row of one
                   // register block and a half panel, and of two (fewer blocks than the delay).
                   {.sizes = {{"M", 57}, {"N", 48}, {"P", 16}}, .layouts = {"At_B4k"}},
-                  {.sizes = {{"M", 56}, {"N", 64}, {"P", 5}}, .layouts = {"A"}}},
+                  {.sizes = {{"M", 56}, {"N", 64}, {"P", 5}}, .layouts = {"A"}},
+                  // Streamed reductions longer than short_reduction_bytes at every L2 size up to 2 MiB: the
+                  // row order column range by column range up to one_pass_reduction's limit (a last range
+                  // ending in a half panel, a leftover vector and columns, leftover rows), blocked past it
+                  // (1100 steps: past the limit below 2 MiB of L2).
+                  {.sizes = {{"M", 56}, {"N", 1050}, {"P", 300}}, .layouts = {"At"}},
+                  {.sizes = {{"M", 50}, {"N", 1000}, {"P", 300}}, .layouts = {"At_B4k"}},
+                  {.sizes = {{"M", 50}, {"N", 130}, {"P", 1100}}, .layouts = {"A"}}},
        .layouts = {},
        .check = gemm_bcast_independent_of_row_split_and_streaming,
        .skip = [](const Case& c) { return fp64_past(c, 300); }},
