@@ -45,6 +45,17 @@ constexpr bool kLaterRows = false;
 #else
 constexpr bool kLaterRows = true;
 #endif
+// Whether blocked reductions (step_p < P) also copy each panel read by 8 or more row blocks (outer_blocks'
+// pack_panel): grad @ W of groups of 48 rows or more at avx2 (zen3-vm, fp32, 2 threads, E128 H2048 N1536):
+// 42-83 rows a group 440-450 -> 376-378 ms, 101-159 rows 865-929 -> 725-763; bf16 at 42-83 rows 415-417 ->
+// 356-387; baseline fp32 1079-1226 -> 1042-1074 (docs/performance.md, "gemm_bcast reduction blocks", "Long
+// reductions' panels copied"). The AVX-512 levels' panels (256 bytes wide) keep reading B in place:
+// unmeasured.
+#if defined(__AVX512F__)
+constexpr bool kPackLongPanels = false;
+#else
+constexpr bool kPackLongPanels = true;
+#endif
 // The row-order path's last panel is one of kBcastVecs where Nw leaves part of a kStreamVecs one.
 static_assert(kStreamVecs == kBcastVecs || kStreamVecs == 2 * kBcastVecs);
 
@@ -874,8 +885,8 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
       });
     }
   }
-  const bool pack_panel = !rows_outer && !inter && step_p >= P && P <= 64 && M >= 8 * kBcastRows &&
-                          (ldb * int64_t(sizeof(T))) % 4096 == 0;
+  const bool pack_panel = !rows_outer && !inter && ((step_p >= P && P <= 64) || kPackLongPanels) &&
+                          M >= 8 * kBcastRows && (ldb * int64_t(sizeof(T))) % 4096 == 0;
   for (int64_t p0 = 0; p0 < (rows_outer ? 0 : std::max<int64_t>(P, 1)); p0 += step_p) {
     const int64_t pn = std::min(step_p, P - p0);
     const bool resume = p0 > 0, park = p0 + pn < P;
@@ -886,11 +897,12 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
                                              Nw * int64_t(sizeof(T)), std::min(step_p, P - p0 - pn))
                             : Fetch{};
     for (int64_t n = 0; n < Nw; n += wide) {
-      // A short reduction (the weight gradients of small groups) over B rows a multiple of 4 KiB apart: those
-      // rows all fall into the same sets of the level-1 cache, so the panel (pn rows x 64 columns) does not
-      // stay there for the row blocks after the first. Copied to a contiguous buffer when 8 or more row
-      // blocks read it; the long reductions of grad @ W (blocked, the next block prefetched) ran slower
-      // copied and are not (docs/performance.md, "gemm_bcast reduction blocks").
+      // B rows a multiple of 4 KiB apart (the weights' rows of grad @ W, the weight gradients' y rows) all
+      // fall into the same sets of the level-1 cache, so the panel (pn rows x 64 columns) does not stay there
+      // for the row blocks after the first. Copied to a contiguous buffer when 8 or more row blocks read it:
+      // short reductions at every level, blocked ones below AVX-512 (kPackLongPanels); grad @ W of fewer
+      // rows (2-5 row blocks, blocked, the next block prefetched) ran slower copied and is not
+      // (docs/performance.md, "gemm_bcast reduction blocks").
       const T* panel = B + p0 * ldb + n;
       int64_t ldp = ldb;
       if (pack_panel) {

@@ -119,6 +119,7 @@ std::vector<Shape> gemm_bcast_shapes() {
   for (int64_t P : {0, 1, 2, 15, 16, 17, 63, 64, 200}) add(17, 130, P, "At");
   for (int64_t M : {31, 32, 33, 63}) add(M, 130, 17, "At_B4k");
   add(40, 200, 64, "A_B4k");
+  add(50, 200, 301, "A_B4k");  // a blocked reduction's panels copied (8 or more row blocks, below AVX-512)
   for (int64_t M : {1, 11, 12, 13, 24, 25, 37})
     for (int64_t N : {1, 17, 32, 33, 130})
       for (int64_t P : {65, 257}) add(M, N, P, "A");
