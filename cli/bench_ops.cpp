@@ -207,7 +207,7 @@ double copy_gbps(CopyProbe& probe, const Options& o) {
 // product at 2048), and a rate that low floors nothing (the fp32 rate floors the low-precision rows, which
 // may compute in fp32), so it is measured on the smaller product in a second instead of minutes. The size is
 // chosen from the second of two 512-sided products (the first pays the library's set-up).
-double dense_gflops(const std::string& dtype, const Options& o) {
+double dense_gflops(const std::string& dtype, const Options& o, int64_t* side = nullptr) {
   const at::ScalarType dt = dtype_of(dtype);
   const auto product_ms = [dt](int64_t n, int warmup, int reps) {
     const at::Tensor a = at::randn({n, n}).to(dt), b = at::randn({n, n}).to(dt);
@@ -224,15 +224,39 @@ double dense_gflops(const std::string& dtype, const Options& o) {
   };
   const int64_t n = dense_product_side(product_ms(512, 1, 1));
   const double ms = product_ms(n, o.warmup, std::max(3, std::min(o.reps, 7)));
+  if (side) *side = n;
   return 2.0 * static_cast<double>(n * n * n) / (ms * 1e6);
 }
+
+// dense_gflops' fp32 product again among each product case's repetitions, as the copy probe: one measurement
+// at the start floors every product row of the run, and on a shared machine that moment can be slow — a run
+// on zen3-vm measured 66.9 GFLOP/s at its start (188 in the next run) and read its product rows at 0.41-0.64x
+// their floors. The run's fp32 rate is the fastest of all its measurements (a slow one would flatter every
+// row); each row also reports its case's own.
+struct DenseProbe {
+  int64_t n = 0;
+  at::Tensor a, b;
+  void prepare(int64_t side) {
+    n = side;
+    a = at::randn({n, n});
+    b = at::randn({n, n});
+  }
+  Impl impl() {
+    return {"dense probe", [this] {
+              at::NoGradGuard g;
+              at::mm(a, b);
+            }};
+  }
+  double gflops(const Timing& t) const { return 2.0 * static_cast<double>(n * n * n) / (t.median_ms * 1e6); }
+};
 
 struct Row {
   Case c;
   std::string impl;
   std::string level;  ///< the level kernmap's kernels ran at; empty for an implementation that runs none
   Timing t;
-  double copy_gbps;  ///< the copy bandwidth measured among the case's repetitions (CopyProbe)
+  double copy_gbps;         ///< the copy bandwidth measured among the case's repetitions (CopyProbe)
+  double dense_gflops = 0;  ///< the fp32 dense rate measured among them (DenseProbe; 0: no FLOPs)
 };
 
 struct Floor {
@@ -350,8 +374,9 @@ int bench_command(const Options& o) {
   const std::vector<std::string> levels = levels_to_run(o.levels);
   CopyProbe probe;
   const double copy = copy_gbps(probe, o);
+  DenseProbe dense_probe;
   // Dense GFLOP/s per dtype, measured when a case does FLOPs: its dtype's and fp32's (the honest limit of a
-  // low-precision case computed in fp32).
+  // low-precision case computed in fp32); fp32's again in every product case (DenseProbe), the fastest kept.
   std::map<std::string, double> peak;
   // The levels run below the CPU's own (its highest supported level: torch's products run there whatever
   // KERNMAP_CPU_ISA says): their kernels' products are held to a CPU of that level's dense fp32 rate,
@@ -389,7 +414,11 @@ int bench_command(const Options& o) {
         std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, planned.size(), c.op.c_str(),
                      c.pass.c_str(), dt.c_str(), c.shape.c_str());
       for (const std::string& d : {dt, std::string("float32")})
-        if (c.flops > 0 && !peak.count(d)) peak[d] = dense_gflops(d, o);
+        if (c.flops > 0 && !peak.count(d)) {
+          int64_t side = 0;
+          peak[d] = dense_gflops(d, o, &side);
+          if (d == "float32") dense_probe.prepare(side);
+        }
       if (c.flops > 0 && c.level_bound_flops)
         for (const std::string& level : levels)
           if (level != cpu_top && !level_limits.count(level))
@@ -399,8 +428,17 @@ int bench_command(const Options& o) {
         co.reps = std::min(o.reps, c.max_reps);
         co.warmup = std::min(o.warmup, 1);
       }
-      c.impls.push_back(probe.impl());  // last: the case's own copy bandwidth
+      c.impls.push_back(probe.impl());  // the case's own copy bandwidth
+      const bool dense_case = c.flops > 0;
+      if (dense_case) c.impls.push_back(dense_probe.impl());  // and fp32 dense rate
       std::vector<Timing> timings = time_interleaved(c.impls, co);
+      double case_dense = 0;
+      if (dense_case) {
+        c.impls.pop_back();
+        case_dense = dense_probe.gflops(timings.back());
+        timings.pop_back();
+        peak["float32"] = std::max(peak["float32"], case_dense);
+      }
       c.impls.pop_back();
       const double case_copy = CopyProbe::gbps(timings.back());
       timings.pop_back();
@@ -417,7 +455,7 @@ int bench_command(const Options& o) {
       release_freed_memory();
       malloc_trim(0);
       for (size_t k = 0; k < names.size(); ++k) {
-        rows.push_back({c, names[k], impl_levels[k], timings[k], case_copy});
+        rows.push_back({c, names[k], impl_levels[k], timings[k], case_copy, case_dense});
         // The dense row of a case measures the same peak again: the floor uses the better of the two
         // measurements (one slow calibration, e.g. a first MKL call, would otherwise flatter every row).
         if (names[k] == "dense" && c.flops > 0)
@@ -484,6 +522,7 @@ int bench_command(const Options& o) {
                   {"max_ms", r.t.max_ms},
                   {"gbps", gbps(r)},
                   {"copy_gbps", r.copy_gbps},
+                  {"dense_gflops", r.dense_gflops > 0 ? Json(r.dense_gflops) : Json(nullptr)},
                   {"pct_of_copy", 100 * gbps(r) / r.copy_gbps},
                   {"speedup_vs_reference", reference_ms(r) / r.t.median_ms},
                   {"floor_ms", floor_ms(r)},

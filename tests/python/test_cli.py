@@ -69,7 +69,7 @@ def test_bench_json_document(run_cli):
         assert r["dtype"] == "bfloat16" and r["shape"] == "[4096, 3584]"
         assert r["median_ms"] > 0 and r["gbps"] > 0 and r["floor_ms"] > 0 and "gflops" not in r
         assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["faults_per_run"] >= 0
-        assert r["floor_source"] == "copy" and r["flops"] == 0
+        assert r["floor_source"] == "copy" and r["flops"] == 0 and r["dense_gflops"] is None
         # The copy floor from the bandwidth measured among the case's own repetitions (one per case).
         assert r["copy_gbps"] > 0 and r["floor_ms"] == pytest.approx(r["bytes"] / (r["copy_gbps"] * 1e6))
         assert r["pct_of_copy"] == pytest.approx(100 * r["gbps"] / r["copy_gbps"])
@@ -145,6 +145,10 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
     assert below[wanted[0]]["float32"] > 0, below
     rows = doc["results"]
     assert sorted(r["level"] or "" for r in rows) == sorted(["", *wanted])
+    # fp32's dense rate measured again among each product case's repetitions (one figure per case), and the
+    # run's rate the fastest of all its measurements.
+    assert all(r["dense_gflops"] > 0 for r in rows) and len({r["dense_gflops"] for r in rows}) == 1
+    assert dense["float32"] >= rows[0]["dense_gflops"]
     for r in rows:
         rates = {"gemm fp32": dense["float32"]}
         if r["level"] == wanted[0]:
