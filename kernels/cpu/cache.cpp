@@ -114,13 +114,8 @@ int64_t short_reduction_bytes(int64_t elem_size) {
   return elem_size == 4 ? 2 * l2_block_bytes() : l2_block_bytes();
 }
 
-bool one_pass_reduction(int64_t steps, int64_t cols, int64_t elem_size) {
-  // Column ranges of at least 64 fp32 (two of avx2's 32-column panels, one of AVX-512's 64): at 512 KiB of L2
-  // (zen3-vm) up to 1024 steps, where gate_up's weight gradient at ~1000 rows a group took 6.27 s against
-  // 7.88 blocked (docs/performance.md, "gemm_bcast reduction blocks", "Long reductions in one pass").
-  constexpr int64_t kOnePassMinCols = 64;
-  if (steps * cols * elem_size <= short_reduction_bytes(elem_size)) return true;
-  return elem_size == 4 && steps * kOnePassMinCols * elem_size <= short_reduction_bytes(elem_size);
+bool row_task_reduction(int64_t steps, int64_t cols, int64_t elem_size) {
+  return elem_size == 4 || steps * cols * elem_size <= short_reduction_bytes(elem_size);
 }
 
 namespace {

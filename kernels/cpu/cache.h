@@ -45,14 +45,13 @@ int64_t l2_block_bytes();
 /// rule.
 int64_t short_reduction_bytes(int64_t elem_size);
 
-/// Whether a weight gradient's reduction of `steps` rows of `cols` columns of `elem_size` bytes is computed
-/// in one pass over 512-row tasks: its rows within short_reduction_bytes, or, for 4-byte elements, at most as
-/// many steps as leave kOnePassMinCols columns of them within short_reduction_bytes — the kernel then copies
-/// them column range after column range and streams each row block's part of C along its rows
-/// (kernels/cpu/gemm_outer.cpp, kRowsOuter). Longer reductions are blocked, their partial sums parked, in
-/// tasks of rows x cols <= l2_block_bytes. The task sizes of ops/grouped_mm.cpp and the kernel read this
-/// rule.
-bool one_pass_reduction(int64_t steps, int64_t cols, int64_t elem_size);
+/// Whether a weight gradient's reduction of `steps` rows of `cols` columns of `elem_size` bytes goes in
+/// 512-row tasks: its rows within short_reduction_bytes (computed in one pass), or 4-byte elements at any
+/// length — the kernel's row order copies them in pieces within short_reduction_bytes, column range by column
+/// range and, for the longest, reduction block by reduction block (kernels/cpu/gemm_outer.cpp, kRowsOuter).
+/// Other reductions are blocked, their partial sums parked, in tasks of rows x cols <= l2_block_bytes. The
+/// task sizes of ops/grouped_mm.cpp read this rule.
+bool row_task_reduction(int64_t steps, int64_t cols, int64_t elem_size);
 
 /// Whether torch's bf16 matrix product (at::mm and friends) runs at least at its fp32 rate: the CPU has bf16
 /// dot products (AVX512-BF16, AMX-BF16) or AVX-NE-CONVERT's widening loads, which oneDNN uses. Elsewhere

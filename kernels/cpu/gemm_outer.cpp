@@ -56,6 +56,12 @@ constexpr bool kPackLongPanels = false;
 #else
 constexpr bool kPackLongPanels = true;
 #endif
+// The row order's column ranges are at least this many columns: its reduction blocks are as long as that
+// leaves within short_reduction_bytes (512 steps on a 512 KiB L2). zen3-vm, avx2, 2 threads, gate_up's weight
+// gradient at 954-1063 / 1913-2110 rows a group (E8 k2): 64 columns 313-323 / 684-694 ms, 128 311-323 /
+// 674-689, 256 327-330 / 663-690 (docs/performance.md, "gemm_bcast reduction blocks", "Long reductions in the
+// row order").
+constexpr int64_t kRowOrderMinCols = 128;
 // The row-order path's last panel is one of kBcastVecs where Nw leaves part of a kStreamVecs one.
 static_assert(kStreamVecs == kBcastVecs || kStreamVecs == 2 * kBcastVecs);
 
@@ -740,7 +746,6 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   const int64_t block_p = std::clamp<int64_t>(
       l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, kMinBlockSteps, 256);
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
-  Ac* sums = step_p < P && Nw > 0 ? scratch<Ac>(M * Nw) : nullptr;
 #if defined(__AVX512BF16__)
   constexpr bool kDp = std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64;
 #else
@@ -773,16 +778,16 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // against 157-175 ms; the copy has no such phase. Streamed fp32 only: with plain stores (baseline) the
   // panels-outer order, its panel in L1, ran 4 % faster, and the other types' blocks, inlined once more,
   // compiled slower (bf16 at avx2 106-110 -> 172-188 ms with the order unchanged; docs/performance.md,
-  // "gemm_bcast reduction blocks"). Longer reductions, up to one_pass_reduction's limit
-  // (kernels/cpu/cache.h), take the same order column range by column range, each range's rows of B within
-  // short_reduction_bytes: blocked in 16-row tasks, their partial sums parked, gate_up's weight gradient at
-  // 42-83 / 101-159 / 215-288 / 444-561 rows a group took 512 / 1059 / 1949 / 3636 ms, in one pass 327 / 661
-  // / 1249 / 2491 (zen3-vm, avx2, 2 threads; compute floors 282 / 563 / 1127 / 2253).
+  // "gemm_bcast reduction blocks"). Longer reductions take the same order (kernels/cpu/cache.h,
+  // row_task_reduction), column range by column range, each range's rows of B within short_reduction_bytes,
+  // and in reduction blocks where kRowOrderMinCols columns of all of P would not fit: blocked in 16-row tasks
+  // (their partial sums parked) gate_up's weight gradient at 42-83 / 101-159 / 215-288 / 444-561 rows a group
+  // took 512 / 1059 / 1949 / 3636 ms, in the row order 327 / 661 / 1249 / 2491 (zen3-vm, avx2, 2 threads;
+  // compute floors 282 / 563 / 1127 / 2253); at 954-1063 / 1913-2110 rows (E8 k2) 448-500 / 959-1197 ->
+  // 311-323 / 674-689 (floors 282 / 563).
   constexpr bool kRowsOuter = Stream && std::is_same_v<T, float>;
   bool rows_outer = false;
-  if constexpr (kRowsOuter)
-    rows_outer =
-        P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks && one_pass_reduction(P, Nw, sizeof(T));
+  if constexpr (kRowsOuter) rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks;
   const TA* A = nullptr;
   if constexpr (std::is_same_v<TA, T>) A = A_in;
   if constexpr (kABlock) {
@@ -821,70 +826,96 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
     // Register blocks of kStreamRows x kStreamVecs: panels of kStreamVecs vectors (the last of kBcastVecs
     // where Nw leaves part of one), panel n at slab + n * P, its P rows contiguous.
     constexpr int64_t swide = kStreamVecs * kBlock;
-    // Columns of B's copy: all of Nw when its P rows fit short_reduction_bytes, else the most panels that
-    // do, column range after column range (one_pass_reduction leaves room for at least one panel).
-    const int64_t chunk =
-        !rows_outer || P * Nw * int64_t(sizeof(T)) <= short_reduction_bytes(sizeof(T))
-            ? Nw
-            : std::max<int64_t>(1, short_reduction_bytes(sizeof(T)) / (P * int64_t(sizeof(T)) * swide)) *
-                  swide;
+    // Reduction blocks: all of P where its rows of kRowOrderMinCols columns fit short_reduction_bytes, else
+    // equal blocks that do, the partial sums of a column range (M x its columns) parked between them.
+    // Columns of B's copy: all of Nw where a block's rows fit short_reduction_bytes, else the most panels
+    // that do, column range after column range.
+    const int64_t short_bytes = short_reduction_bytes(sizeof(T));
+    const int64_t row_blocks_p =
+        rows_outer ? std::max<int64_t>(
+                         1, (P * kRowOrderMinCols * int64_t(sizeof(T)) + short_bytes - 1) / short_bytes)
+                   : 1;
+    const int64_t bp = (P + row_blocks_p - 1) / row_blocks_p;
+    const int64_t chunk = !rows_outer || bp * Nw * int64_t(sizeof(T)) <= short_bytes
+                              ? Nw
+                              : std::max<int64_t>(1, short_bytes / (bp * int64_t(sizeof(T)) * swide)) * swide;
+    Ac* const range_sums = rows_outer && bp < P ? scratch<Ac>(M * std::min(chunk, Nw)) : nullptr;
     for (int64_t c0 = 0; rows_outer && c0 < Nw; c0 += chunk) {
       const int64_t Nc = std::min(chunk, Nw - c0);
       const int64_t Ns = Nc - Nc % swide;
-      T* slab = scratch<T, 2>(P * Nc);
-      for (int64_t p = 0; p < P; ++p)
-        for (int64_t n = 0; n < Nc; n += swide) {
-          const int64_t w = std::min(swide, Nc - n);
-          std::memcpy(slab + n * P + p * w, B + p * ldb + c0 + n, w * sizeof(T));
-        }
-      row_blocks<kStreamRows>(M, [&](auto rows, int64_t m) {
-        constexpr int MR = decltype(rows)::value;
-        // Everything the column loop reads, in locals: captured by reference, GCC reloaded each from the
-        // stack after the streamed stores of every block (it cannot tell that they do not write there), and
-        // a load whose address matched a streamed store's low 12 bits waited for that store.
-        const TA* a = a_block(m, MR, 0);
-        const T* const sl = slab;
-        T* const c = C + m * ldc + c0;
-        const int64_t ns = Ns, nw = Nc, steps = P, ld = ldc, am = a_m, ap = a_p;
-        const Partial<Ac> one{nullptr, 0, false, false};
-        // Row i of the block is streamed i register blocks after row 0 (from a small buffer that stays in
-        // L1): streamed stores to lines with the same low 12 address bits in several rows at once ran far
-        // slower than the same stores spread over the page (C rows a multiple of 4 KiB apart — gate_up's
-        // weight gradient, rows of 2048 fp32 — put a block's three rows' lines at the same offsets). zen3-vm,
-        // 2 threads, 1.6 GB of C at P = 16, by C's row length (fp32 columns): 2048: 146-168 -> 98-102 ms
-        // (the same rows padded by 32-256 columns, not delayed: 87-94), 1024: 129 -> 95, 4096: 105 -> 72,
-        // 1536: 100 -> 92-95, 768: 44-51 -> 48-50 (docs/performance.md, "gemm_bcast reduction blocks", its
-        // entry "Rows of 8 KiB, explained").
-        if constexpr (kLaterRows && MR > 1) {
-          alignas(64) Ac later[MR][(MR - 1) * swide];  // block k's rows 1.. in slot k % MR
-          Ac* const buf = &later[0][0];
-          const auto stream_later = [buf, c, ld](int64_t k, int i) {
-            constexpr int64_t w = kStreamVecs * kBlock;
-            const Ac* src = buf + (k % MR) * (MR - 1) * w + (i - 1) * w;
-            T* dst = c + i * ld + k * w;
-            for (int64_t v = 0; v < w; v += kBlock) store_out<Stream>(dst + v, load_native(src + v));
-          };
-          int64_t blocks = 0;
-          for (int64_t n = 0; n < ns; n += swide, ++blocks) {
-            bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock, true>(
-                a, am, ap, sl + n * steps, swide, c + n, ld, steps, one, false, {}, later[blocks % MR]);
-            for (int i = 1; i < MR && i <= blocks; ++i) stream_later(blocks - i, i);
+      for (int64_t p0 = 0; p0 < P; p0 += bp) {
+        const int64_t pn = std::min(bp, P - p0);
+        T* slab = scratch<T, 2>(pn * Nc);
+        for (int64_t p = 0; p < pn; ++p)
+          for (int64_t n = 0; n < Nc; n += swide) {
+            const int64_t w = std::min(swide, Nc - n);
+            std::memcpy(slab + n * pn + p * w, B + (p0 + p) * ldb + c0 + n, w * sizeof(T));
           }
-          for (int64_t k = blocks; k < blocks + MR - 1; ++k)  // the last blocks' later rows
-            for (int i = 1; i < MR; ++i)
-              if (k - i >= 0 && k - i < blocks) stream_later(k - i, i);
-        } else {
-          for (int64_t n = 0; n < ns; n += swide)
-            bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n,
-                                                                    ld, steps, one, false);
-        }
-        if constexpr (kStreamVecs != kBcastVecs)
-          if (ns < nw)
-            bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, am, ap, sl + ns * steps, wide, c + ns,
-                                                                   ld, steps, one, false);
-      });
+        row_blocks<kStreamRows>(M, [&](auto rows, int64_t m) {
+          constexpr int MR = decltype(rows)::value;
+          // Everything the column loop reads, in locals: captured by reference, GCC reloaded each from the
+          // stack after the streamed stores of every block (it cannot tell that they do not write there),
+          // and a load whose address matched a streamed store's low 12 bits waited for that store.
+          const TA* a = a_block(m, MR, p0);
+          const T* const sl = slab;
+          T* const c = C + m * ldc + c0;
+          const int64_t ns = Ns, nw = Nc, steps = pn, ld = ldc, am = a_m, ap = a_p;
+          Ac* const ps = range_sums ? range_sums + m * Nc : nullptr;
+          const bool resume = p0 > 0;
+          const auto part = [ps, nw, resume](int64_t n, bool park) {
+            return Partial<Ac>{ps ? ps + n : nullptr, nw, resume, park};
+          };
+          if (p0 + pn < P) {  // a block before the last: partial sums only
+            for (int64_t n = 0; n < ns; n += swide)
+              bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n,
+                                                                      ld, steps, part(n, true), false);
+            if constexpr (kStreamVecs != kBcastVecs)
+              if (ns < nw)
+                bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(
+                    a, am, ap, sl + ns * steps, wide, c + ns, ld, steps, part(ns, true), false);
+            return;
+          }
+          // Row i of the block is streamed i register blocks after row 0 (from a small buffer that stays in
+          // L1): streamed stores to lines with the same low 12 address bits in several rows at once ran far
+          // slower than the same stores spread over the page (C rows a multiple of 4 KiB apart — gate_up's
+          // weight gradient, rows of 2048 fp32 — put a block's three rows' lines at the same offsets).
+          // zen3-vm, 2 threads, 1.6 GB of C at P = 16, by C's row length (fp32 columns): 2048: 146-168 ->
+          // 98-102 ms (the same rows padded by 32-256 columns, not delayed: 87-94), 1024: 129 -> 95, 4096:
+          // 105 -> 72, 1536: 100 -> 92-95, 768: 44-51 -> 48-50 (docs/performance.md, "gemm_bcast reduction
+          // blocks", its entry "Rows of 8 KiB, explained").
+          if constexpr (kLaterRows && MR > 1) {
+            alignas(64) Ac later[MR][(MR - 1) * swide];  // block k's rows 1.. in slot k % MR
+            Ac* const buf = &later[0][0];
+            const auto stream_later = [buf, c, ld](int64_t k, int i) {
+              constexpr int64_t w = kStreamVecs * kBlock;
+              const Ac* src = buf + (k % MR) * (MR - 1) * w + (i - 1) * w;
+              T* dst = c + i * ld + k * w;
+              for (int64_t v = 0; v < w; v += kBlock) store_out<Stream>(dst + v, load_native(src + v));
+            };
+            int64_t blocks = 0;
+            for (int64_t n = 0; n < ns; n += swide, ++blocks) {
+              bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock, true>(a, am, ap, sl + n * steps, swide,
+                                                                            c + n, ld, steps, part(n, false),
+                                                                            false, {}, later[blocks % MR]);
+              for (int i = 1; i < MR && i <= blocks; ++i) stream_later(blocks - i, i);
+            }
+            for (int64_t k = blocks; k < blocks + MR - 1; ++k)  // the last blocks' later rows
+              for (int i = 1; i < MR; ++i)
+                if (k - i >= 0 && k - i < blocks) stream_later(k - i, i);
+          } else {
+            for (int64_t n = 0; n < ns; n += swide)
+              bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n,
+                                                                      ld, steps, part(n, false), false);
+          }
+          if constexpr (kStreamVecs != kBcastVecs)
+            if (ns < nw)
+              bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, am, ap, sl + ns * steps, wide, c + ns,
+                                                                     ld, steps, part(ns, false), false);
+        });
+      }
     }
   }
+  Ac* const sums = !rows_outer && step_p < P && Nw > 0 ? scratch<Ac>(M * Nw) : nullptr;
   const bool pack_panel = !rows_outer && !inter && ((step_p >= P && P <= 64) || kPackLongPanels) &&
                           M >= 8 * kBcastRows && (ldb * int64_t(sizeof(T))) % 4096 == 0;
   for (int64_t p0 = 0; p0 < (rows_outer ? 0 : std::max<int64_t>(P, 1)); p0 += step_p) {

@@ -320,9 +320,13 @@ const std::vector<Row>& kernel_table() {
        .layouts = {""},
        .check = gemm_nt_row_bits_independent_of_group_size,
        .dtypes = {at::kFloat, at::kBFloat16}},
-      // Group sizes around every block and the bf16 BLAS threshold (64 rows), an empty group.
+      // Group sizes around every block and the bf16 BLAS threshold (64 rows), an empty group, and one long
+      // enough for the fp32 weight gradient's reduction blocks in the row order below 2 MiB of L2 (1100).
       {.op = "grouped_mm_backward",
-       .shapes = {{.sizes = {{"K", 70}, {"N", 131}}, .groups = {0, 1, 2, 15, 16, 17, 63, 64, 200}}},
+       .shapes = {{.sizes = {{"K", 70}, {"N", 131}}, .groups = {0, 1, 2, 15, 16, 17, 63, 64, 200, 1100}},
+                  // A reduction long enough that the weight gradient's tasks take fewer than 512 rows (their
+                  // packed copy of x^T within 8 MiB: 174 rows at 12000 fp32 steps).
+                  {.sizes = {{"K", 300}, {"N", 40}}, .groups = {0, 12000, 7}}},
        .layouts = {"b_EKN", "b_ENK_transposed"},
        .check = grouped_mm_backward_within_float64_bound_and_thread_count_free},
       {.op = "gemm_bcast",
@@ -346,12 +350,13 @@ const std::vector<Row>& kernel_table() {
                   {.sizes = {{"M", 57}, {"N", 48}, {"P", 16}}, .layouts = {"At_B4k"}},
                   {.sizes = {{"M", 56}, {"N", 64}, {"P", 5}}, .layouts = {"A"}},
                   // Streamed reductions longer than short_reduction_bytes at every L2 size up to 2 MiB: the
-                  // row order column range by column range up to one_pass_reduction's limit (a last range
-                  // ending in a half panel, a leftover vector and columns, leftover rows), blocked past it
-                  // (1100 steps: past the limit below 2 MiB of L2).
+                  // row order column range by column range (a last range ending in a half panel, a leftover
+                  // vector and columns, leftover rows), and in reduction blocks, their sums parked, where 128
+                  // columns of all the steps do not fit (1100 steps below 2 MiB of L2, 2100 at 2 MiB too).
                   {.sizes = {{"M", 56}, {"N", 1050}, {"P", 300}}, .layouts = {"At"}},
                   {.sizes = {{"M", 50}, {"N", 1000}, {"P", 300}}, .layouts = {"At_B4k"}},
-                  {.sizes = {{"M", 50}, {"N", 130}, {"P", 1100}}, .layouts = {"A"}}},
+                  {.sizes = {{"M", 50}, {"N", 130}, {"P", 1100}}, .layouts = {"A"}},
+                  {.sizes = {{"M", 50}, {"N", 1050}, {"P", 2100}}, .layouts = {"At"}}},
        .layouts = {},
        .check = gemm_bcast_independent_of_row_split_and_streaming,
        .skip = [](const Case& c) { return fp64_past(c, 300); }},
