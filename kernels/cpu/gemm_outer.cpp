@@ -824,18 +824,18 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   const Partial<Ac> whole{nullptr, 0, false, false};  // the whole reduction in one pass
   if constexpr (kRowsOuter) {
     // Register blocks of kStreamRows x kStreamVecs: panels of kStreamVecs vectors (the last of kBcastVecs
-    // where Nw leaves part of one), panel n at slab + n * P, its P rows contiguous.
+    // where Nw leaves part of one), panel n of a column range at slab + n * pn, its pn rows contiguous.
     constexpr int64_t swide = kStreamVecs * kBlock;
     // Reduction blocks: all of P where its rows of kRowOrderMinCols columns fit short_reduction_bytes, else
     // equal blocks that do, the partial sums of a column range (M x its columns) parked between them.
     // Columns of B's copy: all of Nw where a block's rows fit short_reduction_bytes, else the most panels
     // that do, column range after column range.
     const int64_t short_bytes = short_reduction_bytes(sizeof(T));
-    const int64_t row_blocks_p =
+    const int64_t p_blocks =
         rows_outer ? std::max<int64_t>(
                          1, (P * kRowOrderMinCols * int64_t(sizeof(T)) + short_bytes - 1) / short_bytes)
                    : 1;
-    const int64_t bp = (P + row_blocks_p - 1) / row_blocks_p;
+    const int64_t bp = (P + p_blocks - 1) / p_blocks;  // steps a block
     const int64_t chunk = !rows_outer || bp * Nw * int64_t(sizeof(T)) <= short_bytes
                               ? Nw
                               : std::max<int64_t>(1, short_bytes / (bp * int64_t(sizeof(T)) * swide)) * swide;
