@@ -1,5 +1,6 @@
 // The outer-product kernel of the grouped backward (gemm_bcast) against float64 math on the same inputs: edge
 // sizes of its register blocks, reductions long enough to be blocked, strided operands, streaming stores.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -29,8 +30,8 @@ double acc_roundoff(at::ScalarType t) {
 }
 
 // A case's operands: A(m, p) at A[p * lda + m] for layout "At" (the weight gradients' x^T), else at
-// A[m * lda + p]; B's rows 4 KiB apart for "_B4k" (the kernel copies such panels of short reductions), else
-// N + 5 apart; C [M, ldc] NaN beyond what the kernel must write.
+// A[m * lda + p]; B's rows the least multiple of 4 KiB apart that holds N for "_B4k" (the kernel copies such
+// panels), else N + 5 apart; C [M, ldc] NaN beyond what the kernel must write.
 struct Operands {
   int64_t M, N, P;
   bool a_transposed;
@@ -45,7 +46,8 @@ Operands make_run(const Case& c, int64_t c_pad) {
   r.a_transposed = c.layout.rfind("At", 0) == 0;
   const bool b_rows_4k = c.layout.find("_B4k") != std::string::npos;
   r.lda = (r.a_transposed ? r.M : r.P) + 3;
-  r.ldb = b_rows_4k ? 4096 / c10::elementSize(c.dtype) : r.N + 5;
+  const int64_t es = static_cast<int64_t>(c10::elementSize(c.dtype));
+  r.ldb = b_rows_4k ? std::max<int64_t>(1, (r.N * es + 4095) / 4096) * 4096 / es : r.N + 5;
   r.ldc = r.N + c_pad;
   const int64_t a_rows = r.a_transposed ? r.P : r.M;
   r.a_store = randn({std::max<int64_t>(a_rows, 1), r.lda}, c.dtype);
