@@ -201,47 +201,14 @@ double copy_gbps(CopyProbe& probe, const Options& o) {
   return CopyProbe::gbps(time_interleaved({probe.impl()}, copy_opts)[0]);
 }
 
-// The machine's practical GEMM throughput for a dtype: the median of repetitions of a square product, 2048 on
-// a side, or 1024 or 512 where one product at 2048 would take over half a second. A CPU without instructions
-// for the dtype can run it far below the fp32 rate (bf16 through torch on an AVX2 EPYC: 0.7 GFLOP/s, 25 s a
-// product at 2048), and a rate that low floors nothing (the fp32 rate floors the low-precision rows, which
-// may compute in fp32), so it is measured on the smaller product in a second instead of minutes. The size is
-// chosen from the second of two 512-sided products (the first pays the library's set-up).
-double dense_gflops(const std::string& dtype, const Options& o, int64_t* side = nullptr) {
-  const at::ScalarType dt = dtype_of(dtype);
-  const auto product_ms = [dt](int64_t n, int warmup, int reps) {
-    const at::Tensor a = at::randn({n, n}).to(dt), b = at::randn({n, n}).to(dt);
-    Options opts;
-    opts.warmup = warmup;
-    opts.reps = reps;
-    return time_interleaved({Impl{"dense",
-                                  [&] {
-                                    at::NoGradGuard g;
-                                    at::mm(a, b);
-                                  }}},
-                            opts)[0]
-        .median_ms;
-  };
-  const int64_t n = dense_product_side(product_ms(512, 1, 1));
-  const double ms = product_ms(n, o.warmup, std::max(3, std::min(o.reps, 7)));
-  if (side) *side = n;
-  return 2.0 * static_cast<double>(n * n * n) / (ms * 1e6);
-}
-
-// dense_gflops' fp32 product again among each product case's repetitions, as the copy probe: one measurement
-// at the start floors every product row of the run, and on a shared machine that moment can be slow — a run
-// on zen3-vm measured 66.9 GFLOP/s at its start (188 in the next run) and read its product rows at 0.41-0.64x
-// their floors. The run's fp32 rate is the fastest of all its measurements (a slow one would flatter every
-// row); each row also reports its case's own.
+// A square product of n x n in a dtype, timed for a dense rate.
 struct DenseProbe {
   int64_t n = 0;
   at::Tensor a, b;
-  void prepare(int64_t side) {
-    n = side;
-    a = at::randn({n, n});
-    b = at::randn({n, n});
-  }
-  Impl impl() {
+  DenseProbe() = default;
+  DenseProbe(at::ScalarType dt, int64_t side)
+      : n(side), a(at::randn({side, side}).to(dt)), b(at::randn({side, side}).to(dt)) {}
+  Impl impl() const {
     return {"dense probe", [this] {
               at::NoGradGuard g;
               at::mm(a, b);
@@ -249,6 +216,34 @@ struct DenseProbe {
   }
   double gflops(const Timing& t) const { return 2.0 * static_cast<double>(n * n * n) / (t.median_ms * 1e6); }
 };
+
+// The machine's practical GEMM throughput for a dtype: the median of repetitions of a square product, 2048 on
+// a side, or 1024 or 512 where one product at 2048 would take over half a second. A CPU without instructions
+// for the dtype can run it far below the fp32 rate (bf16 through torch on an AVX2 EPYC: 0.7 GFLOP/s, 25 s a
+// product at 2048), and a rate that low floors nothing (the fp32 rate floors the low-precision rows, which
+// may compute in fp32), so it is measured on the smaller product in a second instead of minutes. The size is
+// chosen from the second of two 512-sided products (the first pays the library's set-up). The product it was
+// measured on goes to `*probe` where given.
+//
+// fp32's product is timed again among each product case's repetitions, as the copy probe: one measurement at
+// the start floors every product row of the run, and on a shared machine that moment can be slow — a run on
+// zen3-vm measured 66.9 GFLOP/s at its start (188 in the next run) and read its product rows at 0.41-0.64x
+// their floors. The run's fp32 rate is the fastest of all its measurements (a slow one would flatter every
+// row); each row also reports its case's own.
+double dense_gflops(const std::string& dtype, const Options& o, DenseProbe* probe = nullptr) {
+  const at::ScalarType dt = dtype_of(dtype);
+  const auto timed = [](const DenseProbe& p, int warmup, int reps) {
+    Options opts;
+    opts.warmup = warmup;
+    opts.reps = reps;
+    return time_interleaved({p.impl()}, opts)[0];
+  };
+  const DenseProbe small(dt, 512);
+  DenseProbe p(dt, dense_product_side(timed(small, 1, 1).median_ms));
+  const double gflops = p.gflops(timed(p, o.warmup, std::max(3, std::min(o.reps, 7))));
+  if (probe) *probe = std::move(p);
+  return gflops;
+}
 
 struct Row {
   Case c;
@@ -414,11 +409,8 @@ int bench_command(const Options& o) {
         std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, planned.size(), c.op.c_str(),
                      c.pass.c_str(), dt.c_str(), c.shape.c_str());
       for (const std::string& d : {dt, std::string("float32")})
-        if (c.flops > 0 && !peak.count(d)) {
-          int64_t side = 0;
-          peak[d] = dense_gflops(d, o, &side);
-          if (d == "float32") dense_probe.prepare(side);
-        }
+        if (c.flops > 0 && !peak.count(d))
+          peak[d] = dense_gflops(d, o, d == "float32" ? &dense_probe : nullptr);
       if (c.flops > 0 && c.level_bound_flops)
         for (const std::string& level : levels)
           if (level != cpu_top && !level_limits.count(level))

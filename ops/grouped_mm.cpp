@@ -138,8 +138,8 @@ std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t 
     const int64_t steps = starts[e + 1] - starts[e];
     const int64_t packed_rows = std::clamp<int64_t>(
         kPackedRowsBytes / std::max<int64_t>(1, steps * elem_size), kMinPackedRows, kShortReductionRows);
-    const bool short_reduction = cpu::row_task_reduction(steps, N, elem_size);
-    const int64_t row_step = short_reduction ? std::max(long_step, packed_rows) : long_step;
+    const int64_t row_step =
+        cpu::row_task_reduction(steps, N, elem_size) ? std::max(long_step, packed_rows) : long_step;
     for (int64_t r = 0; r < M; r += row_step)
       tasks.push_back({static_cast<int64_t>(e), r, std::min(r + row_step, M), 0, N});
   }
