@@ -120,26 +120,14 @@ std::vector<Task> bcast_tiles(const std::vector<int64_t>& starts, int64_t N) {
 }
 
 // Tasks of the weight gradients out[e] = x_e^T y_e ([M, N] per group): row tiles of each group's block over
-// all N columns; r0, r1 are rows of out[e]. A group whose reduction the kernel computes by rows
-// (kernels/cpu/cache.h's row_task_reduction) takes kShortReductionRows rows a task: each task packs its rows
-// of x^T and prepares each panel of y once for all of them — fewer rows where that copy (rows x the group's
-// rows, kept per thread as scratch) would pass kPackedRowsBytes, down to kMinPackedRows (the kernel's row
-// order needs 8 row blocks); a longer one (the kernel blocks the reduction and keeps partial sums of rows x N
-// in scratch) takes tiles of rows x N <= scratch_elems() (docs/performance.md, "Grouped products: tasks and
-// routing").
-constexpr int64_t kShortReductionRows = 512;
-constexpr int64_t kPackedRowsBytes = int64_t(8) << 20;
-constexpr int64_t kMinPackedRows = 64;
-std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t M, int64_t N,
-                                    int64_t elem_size) {
-  const int64_t long_step = std::max<int64_t>(4, scratch_elems() / std::max<int64_t>(N, 1) / 4 * 4);
+// all N columns, as many rows as the active level's kernel asks for that reduction (gemm_bcast_task_rows: up
+// to 512 where it copies x^T and y once for all of them, else rows x N within its partial sums' scratch);
+// r0, r1 are rows of out[e] (docs/performance.md, "Grouped products: tasks and routing").
+std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t M, int64_t N, cpu::DType dt) {
+  const auto& k = cpu::kernel_table();
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < starts.size(); ++e) {
-    const int64_t steps = starts[e + 1] - starts[e];
-    const int64_t packed_rows = std::clamp<int64_t>(
-        kPackedRowsBytes / std::max<int64_t>(1, steps * elem_size), kMinPackedRows, kShortReductionRows);
-    const int64_t row_step =
-        cpu::row_task_reduction(steps, N, elem_size) ? std::max(long_step, packed_rows) : long_step;
+    const int64_t row_step = std::max<int64_t>(1, k.gemm_bcast_task_rows(dt, starts[e + 1] - starts[e], N));
     for (int64_t r = 0; r < M; r += row_step)
       tasks.push_back({static_cast<int64_t>(e), r, std::min(r + row_step, M), 0, N});
   }
@@ -389,7 +377,7 @@ at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, con
     // is as large as the weights: streaming stores. Large bf16 groups: one BLAS call per kBlasCols columns
     // (then r0, r1 are the group's rows), see blas_group.
     std::vector<Task> tasks;
-    for (const Task& t : weight_grad_tiles(starts, M, N, es))
+    for (const Task& t : weight_grad_tiles(starts, M, N, dt))
       if (!blas_group(x.scalar_type(), starts[t.group + 1] - starts[t.group])) tasks.push_back(t);
     for (Task t : blas_tiles(starts, N))
       if (blas_group(x.scalar_type(), t.r1 - t.r0)) {

@@ -114,10 +114,6 @@ int64_t short_reduction_bytes(int64_t elem_size) {
   return elem_size == 4 ? 2 * l2_block_bytes() : l2_block_bytes();
 }
 
-bool row_task_reduction(int64_t steps, int64_t cols, int64_t elem_size) {
-  return elem_size == 4 || steps * cols * elem_size <= short_reduction_bytes(elem_size);
-}
-
 namespace {
 
 bool cpu_has_bf16_gemm() {

@@ -39,19 +39,11 @@ int64_t usable_l3_bytes();
 int64_t l2_block_bytes();
 
 /// The most bytes of a weight gradient's reduction (its rows of the second operand over all output columns)
-/// computed in one pass over 512-row tasks: half of one core's L2 for 4-byte elements, whose streamed blocks
-/// read those rows from one contiguous copy made per task (kernels/cpu/gemm_outer.cpp, kRowsOuter), and
-/// l2_block_bytes for the other sizes. The task sizes of ops/grouped_mm.cpp and the kernel read the same
-/// rule.
+/// computed in one pass over 512-row tasks: half of one core's L2 for 4-byte elements (fp32, and bf16 where
+/// the kernel widens its copy), whose streamed blocks read those rows from one contiguous copy made per task
+/// (kernels/cpu/gemm_outer.cpp, kRowsOuter), and l2_block_bytes for the other sizes. Longer reductions in the
+/// row order go in pieces of this size; the kernel's task sizes (gemm_bcast_task_rows) read the same rule.
 int64_t short_reduction_bytes(int64_t elem_size);
-
-/// Whether a weight gradient's reduction of `steps` rows of `cols` columns of `elem_size` bytes goes in
-/// 512-row tasks: its rows within short_reduction_bytes (computed in one pass), or 4-byte elements at any
-/// length — the kernel's row order copies them in pieces within short_reduction_bytes, column range by column
-/// range and, for the longest, reduction block by reduction block (kernels/cpu/gemm_outer.cpp, kRowsOuter).
-/// Other reductions are blocked, their partial sums parked, in tasks of rows x cols <= l2_block_bytes. The
-/// task sizes of ops/grouped_mm.cpp read this rule.
-bool row_task_reduction(int64_t steps, int64_t cols, int64_t elem_size);
 
 /// Whether torch's bf16 matrix product (at::mm and friends) runs at least at its fp32 rate: the CPU has bf16
 /// dot products (AVX512-BF16, AMX-BF16) or AVX-NE-CONVERT's widening loads, which oneDNN uses. Elsewhere

@@ -70,6 +70,11 @@
      M x N elements, so callers keep M x N to a few hundred KiB. P = 0 writes zeros. */                         \
   X(gemm_bcast, void, (DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int64_t a_m, int64_t a_p,  \
                        const void* B, int64_t ldb, void* C, int64_t ldc, bool stream))                           \
+  /* The rows of C a streamed gemm_bcast call with A read across its rows (a weight gradient, x^T of `steps`   \
+     rows) should take for `cols` columns: rows x cols within the partial sums' scratch (l2_block_bytes), or   \
+     up to 512 where this level's kernel copies A and B once for all of them (a short reduction, or the row    \
+     order of long ones) and A's copy stays within 8 MiB. Only a speed: no result depends on it. */            \
+  X(gemm_bcast_task_rows, int64_t, (DType dtype, int64_t steps, int64_t cols))                                 \
   /* MoE combine, for tokens t in [t_begin, t_end): out[t] = round(sum over slot < k, in slot order, of        \
      term(rows[j]), j = pos[t * k + slot]), summed in Acc from +0: term(r) = r when weights is null, else      \
      r * weights[j], rounded to the element type first when round_product (transformers' `rows * weights` in   \

@@ -45,6 +45,28 @@ constexpr bool kLaterRows = false;
 #else
 constexpr bool kLaterRows = true;
 #endif
+// Whether bf16 products widen A to fp32 in outer_blocks' copy (no dot-product instruction; gemm_outer): each
+// step then broadcasts its scalars from memory, folded into the FMAs, as fp32's do — instead of a scalar
+// widening, a move to a vector register and a broadcast per row and step, on the port the FMAs share. The
+// same products in the same order: the same bits.
+#if defined(__AVX2__) && !defined(__AVX512BF16__)
+constexpr bool kWidenBf16A = true;
+#else
+constexpr bool kWidenBf16A = false;
+#endif
+// Whether bf16 with A widened to fp32 (avx2: no dot-product instruction, no AVX-512) takes the row order for
+// its long reductions too, each column range of B widened to fp32 in its copy: the same products in the same
+// order as its blocked reductions, so the same bits. Its register blocks write 32 bf16, one whole line of
+// each row, so C is streamed there as fp32's is (gemm_bcast). Blocked in 16-row tasks, gate_up's weight
+// gradient at 42-83 / 101-159 rows a group took 491-539 / 929-1010 ms, in the row order 405-411 / 695-759
+// (fp32: 329-352 / 615-673; zen3-vm, 2 threads; docs/performance.md, "gemm_bcast reduction blocks", "bf16
+// in the row order"). The AVX-512 levels keep theirs: unmeasured.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kBf16RowsOuter = true;
+#else
+constexpr bool kBf16RowsOuter = false;
+#endif
+static_assert(!kBf16RowsOuter || kWidenBf16A);
 // Whether blocked reductions (step_p < P) also copy each panel read by 8 or more row blocks (outer_blocks'
 // pack_panel): grad @ W of groups of 48 rows or more at avx2 (zen3-vm, fp32, 2 threads, E128 H2048 N1536):
 // 42-83 rows a group 440-450 -> 376-378 ms, 101-159 rows 865-929 -> 725-763; bf16 at 42-83 rows 415-417 ->
@@ -194,11 +216,13 @@ void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb
 }
 
 // bcast_block compiled as a function of its own (see its caller).
-template <class T, int MR, int NV, bool Stream, class TA, class TB, bool ABlock>
+template <class T, int MR, int NV, bool Stream, class TA, class TB, bool ABlock, bool Later = false>
 __attribute__((noinline)) void bcast_block_apart(const TA* A, int64_t a_m, int64_t a_p, const TB* B,
                                                  int64_t ldb, T* C, int64_t ldc, int64_t P,
-                                                 const Partial<Acc<T>>& part, bool near, Fetch fetch) {
-  bcast_block<T, MR, NV, Stream, TA, TB, ABlock>(A, a_m, a_p, B, ldb, C, ldc, P, part, near, fetch);
+                                                 const Partial<Acc<T>>& part, bool near, Fetch fetch,
+                                                 Acc<T>* later = nullptr) {
+  bcast_block<T, MR, NV, Stream, TA, TB, ABlock, Later>(A, a_m, a_p, B, ldb, C, ldc, P, part, near, fetch,
+                                                        later);
 }
 
 #if defined(__AVX512BF16__)
@@ -785,9 +809,25 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // took 512 / 1059 / 1949 / 3636 ms, in the row order 327 / 661 / 1249 / 2491 (zen3-vm, avx2, 2 threads;
   // compute floors 282 / 563 / 1127 / 2253); at 954-1063 / 1913-2110 rows (E8 k2) 448-500 / 959-1197 ->
   // 311-323 / 674-689 (floors 282 / 563).
-  constexpr bool kRowsOuter = Stream && std::is_same_v<T, float>;
+  constexpr bool kRowsOuter =
+      Stream && (std::is_same_v<T, float> ||
+                 (kBf16RowsOuter && std::is_same_v<T, BFloat16> && std::is_same_v<TA, float>));
+  using TS = std::conditional_t<kRowsOuter, TA, T>;  // the row order's copy of B (bf16 widened)
   bool rows_outer = false;
-  if constexpr (kRowsOuter) rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks;
+  if constexpr (kRowsOuter) {
+    rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks;
+    // bf16's short reductions keep the panels-outer order with plain stores: in the row order the weight
+    // gradient of gate_up at 7-27 rows a group took 141-146 against 105-109 ms (zen3-vm, avx2, 2 threads).
+    if constexpr (std::is_same_v<T, BFloat16>)
+      rows_outer = rows_outer && P * Nw * int64_t(sizeof(T)) > short_reduction_bytes(sizeof(T));
+  }
+  // Streamed, the other orders' register blocks must write whole lines (gemm_bcast): bf16 at avx2 streams in
+  // the row order only.
+  constexpr bool kWholeLines = kBcastVecs * kBlock * sizeof(T) % 64 == 0;
+  if constexpr (Stream && !kWholeLines) {
+    if (!rows_outer) return outer_blocks<T, false, TA>(A_in, a_m, a_p, B, ldb, C, ldc, M, N, P);
+  }
+  constexpr bool kHalfStream = Stream && kWholeLines;  // the row order's half-width last panel
   const TA* A = nullptr;
   if constexpr (std::is_same_v<TA, T>) A = A_in;
   if constexpr (kABlock) {
@@ -830,26 +870,30 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
     // equal blocks that do, the partial sums of a column range (M x its columns) parked between them.
     // Columns of B's copy: all of Nw where a block's rows fit short_reduction_bytes, else the most panels
     // that do, column range after column range.
-    const int64_t short_bytes = short_reduction_bytes(sizeof(T));
+    constexpr int64_t ts = sizeof(TS);
+    const int64_t short_bytes = short_reduction_bytes(ts);
     const int64_t p_blocks =
-        rows_outer ? std::max<int64_t>(
-                         1, (P * kRowOrderMinCols * int64_t(sizeof(T)) + short_bytes - 1) / short_bytes)
-                   : 1;
+        rows_outer ? std::max<int64_t>(1, (P * kRowOrderMinCols * ts + short_bytes - 1) / short_bytes) : 1;
     const int64_t bp = (P + p_blocks - 1) / p_blocks;  // steps a block
-    const int64_t chunk = !rows_outer || bp * Nw * int64_t(sizeof(T)) <= short_bytes
+    const int64_t chunk = !rows_outer || bp * Nw * ts <= short_bytes
                               ? Nw
-                              : std::max<int64_t>(1, short_bytes / (bp * int64_t(sizeof(T)) * swide)) * swide;
+                              : std::max<int64_t>(1, short_bytes / (bp * ts * swide)) * swide;
     Ac* const range_sums = rows_outer && bp < P ? scratch<Ac>(M * std::min(chunk, Nw)) : nullptr;
     for (int64_t c0 = 0; rows_outer && c0 < Nw; c0 += chunk) {
       const int64_t Nc = std::min(chunk, Nw - c0);
       const int64_t Ns = Nc - Nc % swide;
       for (int64_t p0 = 0; p0 < P; p0 += bp) {
         const int64_t pn = std::min(bp, P - p0);
-        T* slab = scratch<T, 2>(pn * Nc);
+        TS* slab = scratch<TS, 2>(pn * Nc);
         for (int64_t p = 0; p < pn; ++p)
           for (int64_t n = 0; n < Nc; n += swide) {
-            const int64_t w = std::min(swide, Nc - n);
-            std::memcpy(slab + n * pn + p * w, B + (p0 + p) * ldb + c0 + n, w * sizeof(T));
+            const int64_t w = std::min(swide, Nc - n);  // a multiple of kBlock
+            const T* src = B + (p0 + p) * ldb + c0 + n;
+            TS* dst = slab + n * pn + p * w;
+            if constexpr (std::is_same_v<TS, T>)
+              std::memcpy(dst, src, w * sizeof(T));
+            else
+              for (int64_t v = 0; v < w; v += kBlock) store_native(dst + v, load_native(src + v));
           }
         row_blocks<kStreamRows>(M, [&](auto rows, int64_t m) {
           constexpr int MR = decltype(rows)::value;
@@ -857,7 +901,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
           // stack after the streamed stores of every block (it cannot tell that they do not write there),
           // and a load whose address matched a streamed store's low 12 bits waited for that store.
           const TA* a = a_block(m, MR, p0);
-          const T* const sl = slab;
+          const TS* const sl = slab;
           T* const c = C + m * ldc + c0;
           const int64_t ns = Ns, nw = Nc, steps = pn, ld = ldc, am = a_m, ap = a_p;
           Ac* const ps = range_sums ? range_sums + m * Nc : nullptr;
@@ -867,11 +911,11 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
           };
           if (p0 + pn < P) {  // a block before the last: partial sums only
             for (int64_t n = 0; n < ns; n += swide)
-              bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n,
-                                                                      ld, steps, part(n, true), false);
+              bcast_block<T, MR, kStreamVecs, Stream, TA, TS, kABlock>(
+                  a, am, ap, sl + n * steps, swide, c + n, ld, steps, part(n, true), false);
             if constexpr (kStreamVecs != kBcastVecs)
               if (ns < nw)
-                bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(
+                bcast_block<T, MR, kBcastVecs, kHalfStream, TA, TS, kABlock>(
                     a, am, ap, sl + ns * steps, wide, c + ns, ld, steps, part(ns, true), false);
             return;
           }
@@ -894,9 +938,18 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
             };
             int64_t blocks = 0;
             for (int64_t n = 0; n < ns; n += swide, ++blocks) {
-              bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock, true>(a, am, ap, sl + n * steps, swide,
-                                                                            c + n, ld, steps, part(n, false),
-                                                                            false, {}, later[blocks % MR]);
+              // bf16's blocks as calls of their own: inlined here, the bf16 rounding's constants took vector
+              // registers for the whole loop and GCC read three of B's four vectors from memory in every
+              // multiply-add (15 loads a step for 12 FMAs; gate_up at 101-159 rows a group 794-1021 ms
+              // against 695-835 as a call).
+              if constexpr (std::is_same_v<T, BFloat16>)
+                bcast_block_apart<T, MR, kStreamVecs, Stream, TA, TS, kABlock, true>(
+                    a, am, ap, sl + n * steps, swide, c + n, ld, steps, part(n, false), false, {},
+                    later[blocks % MR]);
+              else
+                bcast_block<T, MR, kStreamVecs, Stream, TA, TS, kABlock, true>(
+                    a, am, ap, sl + n * steps, swide, c + n, ld, steps, part(n, false), false, {},
+                    later[blocks % MR]);
               for (int i = 1; i < MR && i <= blocks; ++i) stream_later(blocks - i, i);
             }
             for (int64_t k = blocks; k < blocks + MR - 1; ++k)  // the last blocks' later rows
@@ -904,13 +957,13 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
                 if (k - i >= 0 && k - i < blocks) stream_later(k - i, i);
           } else {
             for (int64_t n = 0; n < ns; n += swide)
-              bcast_block<T, MR, kStreamVecs, Stream, TA, T, kABlock>(a, am, ap, sl + n * steps, swide, c + n,
-                                                                      ld, steps, part(n, false), false);
+              bcast_block<T, MR, kStreamVecs, Stream, TA, TS, kABlock>(
+                  a, am, ap, sl + n * steps, swide, c + n, ld, steps, part(n, false), false);
           }
           if constexpr (kStreamVecs != kBcastVecs)
             if (ns < nw)
-              bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, am, ap, sl + ns * steps, wide, c + ns,
-                                                                     ld, steps, part(ns, false), false);
+              bcast_block<T, MR, kBcastVecs, kHalfStream, TA, TS, kABlock>(
+                  a, am, ap, sl + ns * steps, wide, c + ns, ld, steps, part(ns, false), false);
         });
       }
     }
@@ -1056,18 +1109,45 @@ void gemm_outer(const T* A, int64_t a_m, int64_t a_p, const T* B, int64_t ldb, T
   if constexpr (std::is_same_v<T, BFloat16>) {
     if (a_p == 1 && P > kPanelMinSteps) return outer_panels<Stream>(A, a_m, B, ldb, C, ldc, M, N, P);
   }
-#elif defined(__AVX2__)
-  // bf16 without the dot-product instruction: A widened to fp32 once (outer_blocks' packed copy), so each
-  // step broadcasts its scalars from memory, folded into the FMAs, as fp32's do — instead of a scalar
-  // widening, a move to a vector register and a broadcast per row and step, on the port the FMAs share. The
-  // same products in the same order: the same bits.
-  if constexpr (std::is_same_v<T, BFloat16>)
-    return outer_blocks<T, Stream, float>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
 #endif
+  if constexpr (kWidenBf16A && std::is_same_v<T, BFloat16>)
+    return outer_blocks<T, Stream, float>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
   outer_blocks<T, Stream, T>(A, a_m, a_p, B, ldb, C, ldc, M, N, P);
 }
 
 }  // namespace
+
+// Weight gradients (gemm_bcast_task_rows): a call whose kernel copies A and B once for all its rows takes
+// kShortReductionRows rows — fewer where A's copy (rows x steps, as outer_blocks keeps it) would pass
+// kPackedRowsBytes, down to kMinPackedRows (the row order needs 8 row blocks): fp32 at any length (the row
+// order column range by column range; at baseline blocked, its partial sums rows x N), bf16 at any length
+// where it takes the row order (kBf16RowsOuter), the other types where the reduction's rows of B fit
+// short_reduction_bytes. Other calls keep rows x cols within the partial sums' scratch, l2_block_bytes
+// (docs/performance.md, "Grouped products: tasks and routing").
+constexpr int64_t kShortReductionRows = 512;
+constexpr int64_t kPackedRowsBytes = int64_t(8) << 20;
+constexpr int64_t kMinPackedRows = 64;
+
+int64_t gemm_bcast_task_rows(DType dtype, int64_t steps, int64_t cols) {
+  int64_t rows = 0;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int64_t es = sizeof(T);
+    constexpr bool bf16 = std::is_same_v<T, BFloat16>;
+    constexpr bool row_order = std::is_same_v<T, float> || (kBf16RowsOuter && bf16);
+    constexpr int64_t copy_es = kWidenBf16A && bf16 ? int64_t(sizeof(float)) : es;
+    const int64_t blocked =
+        std::max<int64_t>(4, l2_block_bytes() / int64_t(sizeof(float)) / std::max<int64_t>(cols, 1) / 4 * 4);
+    if (!row_order && steps * cols * es > short_reduction_bytes(es)) {
+      rows = blocked;
+      return;
+    }
+    const int64_t packed = std::clamp<int64_t>(kPackedRowsBytes / std::max<int64_t>(1, steps * copy_es),
+                                               kMinPackedRows, kShortReductionRows);
+    rows = std::max(blocked, packed);
+  });
+  return rows;
+}
 
 void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int64_t a_m, int64_t a_p,
                 const void* B, int64_t ldb, void* C, int64_t ldc, bool stream) {
@@ -1080,8 +1160,10 @@ void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int
     // A register block writes kBcastVecs vectors of each row of C and moves on to other rows; the rest of
     // those cache lines comes a whole column pass later. Streamed in pieces narrower than a line, the
     // write-combining buffers flush them partially: only whole lines are streamed (16-bit types at avx2 are
-    // half a line; docs/performance.md, "gemm_bcast reduction blocks").
-    constexpr bool whole_lines = kBcastVecs * kBlock * sizeof(T) % 64 == 0;
+    // half a line; docs/performance.md, "gemm_bcast reduction blocks"), except by the row order's blocks of
+    // bf16 at avx2, which write whole lines (outer_blocks takes plain stores for its other orders).
+    constexpr bool whole_lines =
+        kBcastVecs * kBlock * sizeof(T) % 64 == 0 || (kBf16RowsOuter && std::is_same_v<T, BFloat16>);
     if (whole_lines && stream && can_stream(c, ldc)) {
       gemm_outer<T, true>(a, a_m, a_p, b, ldb, c, ldc, M, N, P);
       stream_fence();

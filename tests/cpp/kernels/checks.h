@@ -38,6 +38,7 @@ void grouped_mm_backward_within_float64_bound_and_thread_count_free(const Case& 
 // (A transposed), with "_B4k" (B's rows 4 KiB apart).
 void gemm_bcast_within_float64_bound(const Case& c);
 void gemm_bcast_independent_of_row_split_and_streaming(const Case& c);
+void gemm_bcast_task_rows_bound_their_scratch(const Case& c);
 void gemm_bcast_short_reductions_match_small_calls(const Case& c);
 
 // combine_checks.cpp: the MoE combine kernels and the Experts op.

@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "kernels/cpu/cache.h"
 #include "kernels/cpu/isa.h"
 #include "ops/checks.h"
 #include "tests/cpp/kernels/checks.h"
@@ -124,6 +125,25 @@ void gemm_bcast_short_reductions_match_small_calls(const Case& c) {
   const at::Tensor err = (written(whole).to(at::kDouble) - want).abs();
   EXPECT_TRUE(err.le(bound_of(whole, c.dtype, subnormal)).all().item<bool>())
       << "max error " << err.max().item<double>();
+}
+
+// The weight gradients' task sizes (gemm_bcast_task_rows) at this level: at least one row of C, at most 512
+// or as many as fit the level-2 rule in fp32 partial sums, and each task's scratch bounded — its copy of A
+// (rows x steps, elements of at most max(size, 4) bytes: bf16 may be widened) within 8 MiB, or its partial
+// sums (rows x cols, fp32) within the level-2 rule, or the fewest rows the row order takes (64).
+void gemm_bcast_task_rows_bound_their_scratch(const Case& c) {
+  const auto dt = kernmap::ops::cpu_dtype(c.dtype);
+  const int64_t copy_es = std::max<int64_t>(4, static_cast<int64_t>(c10::elementSize(c.dtype)));
+  for (int64_t steps : {0, 1, 16, 300, 1100, 12000, 100000, 10000000})
+    for (int64_t cols : {1, 40, 1536, 100000}) {
+      const int64_t rows = kernmap::cpu::kernel_table().gemm_bcast_task_rows(dt, steps, cols);
+      EXPECT_GE(rows, 1) << steps << " steps, " << cols << " columns";
+      EXPECT_LE(rows, std::max<int64_t>(512, kernmap::cpu::l2_block_bytes() / 4 / cols))
+          << steps << " steps, " << cols << " columns";
+      EXPECT_TRUE(rows <= 64 || rows * steps * copy_es <= (int64_t(8) << 20) ||
+                  rows * cols * 4 <= kernmap::cpu::l2_block_bytes())
+          << rows << " rows at " << steps << " steps, " << cols << " columns";
+    }
 }
 
 }  // namespace kernmap::testing
