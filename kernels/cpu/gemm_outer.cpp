@@ -799,16 +799,16 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // gate_up at 16 rows a group took 181-190 against 161-175 ms. Reading B in place also made every load share
   // its address's low 12 bits with a streamed store where B's and C's rows are both 4 KiB-aligned (two
   // buffers of the large-block cache, as in the experts' backward): the loads waited on the stores, 280-290
-  // against 157-175 ms; the copy has no such phase. Streamed fp32 only: with plain stores (baseline) the
-  // panels-outer order, its panel in L1, ran 4 % faster, and the other types' blocks, inlined once more,
-  // compiled slower (bf16 at avx2 106-110 -> 172-188 ms with the order unchanged; docs/performance.md,
-  // "gemm_bcast reduction blocks"). Longer reductions take the same order (kernels/cpu/cache.h,
-  // row_task_reduction), column range by column range, each range's rows of B within short_reduction_bytes,
-  // and in reduction blocks where kRowOrderMinCols columns of all of P would not fit: blocked in 16-row tasks
-  // (their partial sums parked) gate_up's weight gradient at 42-83 / 101-159 / 215-288 / 444-561 rows a group
-  // took 512 / 1059 / 1949 / 3636 ms, in the row order 327 / 661 / 1249 / 2491 (zen3-vm, avx2, 2 threads;
-  // compute floors 282 / 563 / 1127 / 2253); at 954-1063 / 1913-2110 rows (E8 k2) 448-500 / 959-1197 ->
-  // 311-323 / 674-689 (floors 282 / 563).
+  // against 157-175 ms; the copy has no such phase. Streamed fp32 (and bf16's long reductions at avx2,
+  // kBf16RowsOuter) only: with plain stores (baseline) the panels-outer order, its panel in L1, ran 4 %
+  // faster, and the other types' blocks, inlined once more, compiled slower (bf16 at avx2 106-110 -> 172-188
+  // ms with the order unchanged; docs/performance.md, "gemm_bcast reduction blocks"). Longer reductions take
+  // the same order (their tasks: gemm_bcast_task_rows below), column range by column range, each range's rows
+  // of B within short_reduction_bytes, and in reduction blocks where kRowOrderMinCols columns of all of P
+  // would not fit: blocked in 16-row tasks (their partial sums parked) gate_up's weight gradient at 42-83 /
+  // 101-159 / 215-288 / 444-561 rows a group took 512 / 1059 / 1949 / 3636 ms, in the row order 327 / 661 /
+  // 1249 / 2491 (zen3-vm, avx2, 2 threads; compute floors 282 / 563 / 1127 / 2253); at 954-1063 / 1913-2110
+  // rows (E8 k2) 448-500 / 959-1197 -> 311-323 / 674-689 (floors 282 / 563).
   constexpr bool kRowsOuter =
       Stream && (std::is_same_v<T, float> ||
                  (kBf16RowsOuter && std::is_same_v<T, BFloat16> && std::is_same_v<TA, float>));
