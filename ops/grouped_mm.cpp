@@ -2,10 +2,10 @@
 // products they share with the experts op (ops/grouped_mm.h), the reference and float64 kernels, and the
 // layer record. The CPU products run as (group x tile) tasks on the intra-op pool, each task writing only its
 // own outputs, so results do not depend on the thread count. The kernel follows b's layout and the group's
-// size: b in nn.Linear layout (K-contiguous) goes to gemm_nt for groups under kBlasRows rows, to BLAS from
-// there; b with N-contiguous rows (the backward's grad @ W) and the weight gradients go to the outer-product
-// kernel gemm_bcast (bf16 groups of kBf16BlasRows rows or more: BLAS); other layouts, and float64, are BLAS
-// products per tile.
+// size: b in nn.Linear layout (K-contiguous) goes to gemm_nt for groups under the level's gemm_nt_blas_rows,
+// to BLAS from there; b with N-contiguous rows (the backward's grad @ W) and the weight gradients go to the
+// outer-product kernel gemm_bcast (bf16 groups of kBf16BlasRows rows or more: BLAS); other layouts, and
+// float64, are BLAS products per tile.
 #include "ops/grouped_mm.h"
 
 #include <ATen/ATen.h>
@@ -33,8 +33,6 @@ constexpr const char* kOp = "grouped_mm";
 // per-tile setup. Columns are tiled in multiples of the kernels' 64-column register blocks.
 constexpr int64_t kRowTile = 128;
 constexpr int64_t kColTile = 128;
-// Row tiles at least this tall go to BLAS in the forward (see grouped_mm_cpu).
-constexpr int64_t kBlasRows = 64;
 
 // Column tile of the forward's small-group tasks: each task packs its rows of a once and streams its columns
 // of b once, so the tiles are as wide as keeps every thread busy: at least kTasksPerThread tasks per thread
@@ -297,14 +295,14 @@ at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Te
   char* po = static_cast<char*>(out.data_ptr());
   if (nt) {
     // b[e] is the transpose of an [N, K] matrix with K-contiguous rows (nn.Linear layout): gemm_nt for small
-    // groups; from kBlasRows rows on, BLAS's packed kernels amortize their packing and win
+    // groups; from the level's gemm_nt_blas_rows on, BLAS's packed kernels amortize their packing and win
     // (docs/performance.md, "Grouped products: tasks and routing").
-    // A group of kBlasRows rows or more is one BLAS call over all its rows and columns (as the per-group loop
+    // A group of blas_rows rows or more is one BLAS call over all its rows and columns (as the per-group loop
     // does: one packing of its rows of a, no edge tiles); smaller groups go to gemm_nt whole (all their rows)
     // in column tiles of nt_col_tile.
     // bf16 without a bf16 BLAS (kernels/cpu/cache.h, bf16_gemm_native): every group through gemm_nt.
     const int64_t blas_rows =
-        a.scalar_type() == at::kBFloat16 && !cpu::bf16_gemm_native() ? INT64_MAX : kBlasRows;
+        a.scalar_type() == at::kBFloat16 && !cpu::bf16_gemm_native() ? INT64_MAX : k.gemm_nt_blas_rows(dt);
     std::vector<Task> nt_tasks;
     const std::vector<int64_t> starts = group_starts(offs);
     const int64_t E = static_cast<int64_t>(starts.size()) - 1;

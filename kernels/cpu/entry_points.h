@@ -62,6 +62,9 @@
      the product. */                                                                                             \
   X(gemm_nt, void, (DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,    \
                     int64_t ldb, void* C, int64_t ldc))                                                          \
+  /* The group size from which a BLAS product (packed operands) beats this level's gemm_nt for `dtype`: the    \
+     grouped forward sends groups of fewer rows to gemm_nt, larger ones to BLAS. */                             \
+  X(gemm_nt_blas_rows, int64_t, (DType dtype))                                                                   \
   /* Outer-product form for the grouped backward passes: C[m, n] = sum_p A(m, p) * B[p, n] for m < M, n < N,  \
      with A(m, p) at A[m * a_m + p * a_p] (any strides: grad @ W uses (lda, 1), grad^T @ x uses (1, lda)), B   \
      rows N-contiguous with row stride ldb, C rows N-contiguous with row stride ldc. fp32 accumulation (fp64   \

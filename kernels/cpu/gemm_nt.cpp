@@ -890,6 +890,21 @@ void amx_gemm(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BF
 
 }  // namespace
 
+// avx2, fp32 (the lanes form, 16 rows a pass): 256. zen3-vm, 2 threads, grouped forward of gate_up (K 2048, N
+// 1536 or 2816), gemm_nt for every group against BLAS from 64 rows, old and new alternated, median ms: 41-86
+// rows a group 287-293 against 323-341, 42-83 324-345 against 350-360, 101-159 628-634 against 629-642
+// (down_proj, K 768 N 2048: 306 against 328-330), 209-286 299-313 and 149-152 against 299-309 and 149-151,
+// 475-545 153-156 against 143-145, 954-1063 344-359 against 286-299 (docs/performance.md, "Grouped products:
+// tasks and routing"). Elsewhere 64, measured for bf16 on an AVX512-BF16 core (2026-11-29); the other levels'
+// forms since then unmeasured against BLAS.
+int64_t gemm_nt_blas_rows(DType dtype) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (dtype == DType::kFloat32) return 256;
+#endif
+  (void)dtype;
+  return 64;
+}
+
 void gemm_nt(DType dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
              int64_t ldb, void* C, int64_t ldc) {
   dispatch_dtype(dtype, [&](auto tag) {

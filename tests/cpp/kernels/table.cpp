@@ -288,7 +288,9 @@ const std::vector<Row>& kernel_table() {
       // second shape spans several 64-column blocks and 128-column tiles and odd group sizes) ----
       {.op = "grouped_mm",
        .shapes = {{.sizes = {{"K", 77}, {"N", 70}}, .groups = {5, 0, 18, 17}},
-                  {.sizes = {{"K", 131}, {"N", 200}}, .groups = {0, 33, 0, 37}}},
+                  {.sizes = {{"K", 131}, {"N", 200}}, .groups = {0, 33, 0, 37}},
+                  // Groups on both sides of the forward's gemm_nt / BLAS routing at every level (64, 256).
+                  {.sizes = {{"K", 70}, {"N", 45}}, .groups = {63, 64, 255, 256, 0, 130}}},
        .layouts = {"b_EKN", "b_ENK_transposed"},
        .check =
            [](const Case& c) {
@@ -311,7 +313,9 @@ const std::vector<Row>& kernel_table() {
        .layouts = {""},
        .check = grouped_mm_non_finite_stays_in_its_row_and_column},
       {.op = "grouped_mm_thread_count",
-       .shapes = {{.sizes = {{"K", 301}, {"N", 250}}, .groups = {9, 0, 17, 33, 1, 40, 22}}},
+       .shapes = {{.sizes = {{"K", 301}, {"N", 250}}, .groups = {9, 0, 17, 33, 1, 40, 22}},
+                  // Groups past 64 rows: gemm_nt (several passes) below the level's BLAS routing, BLAS above.
+                  {.sizes = {{"K", 131}, {"N", 250}}, .groups = {200, 70, 0, 300}}},
        .layouts = {""},
        .check = grouped_mm_same_bits_at_any_thread_count},
       // The quads form: a row's bits whatever the group's size (fp32, bf16; K odd and past a line).
