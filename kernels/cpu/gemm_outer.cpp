@@ -67,6 +67,10 @@ constexpr bool kBf16RowsOuter = true;
 constexpr bool kBf16RowsOuter = false;
 #endif
 static_assert(!kBf16RowsOuter || kWidenBf16A);
+// Whether the register blocks of outer_blocks' panel orders (kBcastVecs vectors of a row) write whole cache
+// lines of T, which streamed stores need (gemm_bcast); 16-bit types at avx2 write half a line.
+template <class T>
+inline constexpr bool kBcastWholeLines = kBcastVecs* kBlock * sizeof(T) % 64 == 0;
 // Whether blocked reductions (step_p < P) also copy each panel read by 8 or more row blocks (outer_blocks'
 // pack_panel): grad @ W of groups of 48 rows or more at avx2 (zen3-vm, fp32, 2 threads, E128 H2048 N1536):
 // 42-83 rows a group 440-450 -> 376-378 ms, 101-159 rows 865-929 -> 725-763; bf16 at 42-83 rows 415-417 ->
@@ -823,7 +827,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   }
   // Streamed, the other orders' register blocks must write whole lines (gemm_bcast): bf16 at avx2 streams in
   // the row order only.
-  constexpr bool kWholeLines = kBcastVecs * kBlock * sizeof(T) % 64 == 0;
+  constexpr bool kWholeLines = kBcastWholeLines<T>;
   if constexpr (Stream && !kWholeLines) {
     if (!rows_outer) return outer_blocks<T, false, TA>(A_in, a_m, a_p, B, ldb, C, ldc, M, N, P);
   }
@@ -909,14 +913,22 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
           const auto part = [ps, nw, resume](int64_t n, bool park) {
             return Partial<Ac>{ps ? ps + n : nullptr, nw, resume, park};
           };
-          if (p0 + pn < P) {  // a block before the last: partial sums only
+          // The range's whole panels, all rows at once, and its last half-width panel (captured by value,
+          // as above).
+          const auto panels = [=](bool park) {
             for (int64_t n = 0; n < ns; n += swide)
               bcast_block<T, MR, kStreamVecs, Stream, TA, TS, kABlock>(
-                  a, am, ap, sl + n * steps, swide, c + n, ld, steps, part(n, true), false);
+                  a, am, ap, sl + n * steps, swide, c + n, ld, steps, part(n, park), false);
+          };
+          const auto half_panel = [=](bool park) {
             if constexpr (kStreamVecs != kBcastVecs)
               if (ns < nw)
                 bcast_block<T, MR, kBcastVecs, kHalfStream, TA, TS, kABlock>(
-                    a, am, ap, sl + ns * steps, wide, c + ns, ld, steps, part(ns, true), false);
+                    a, am, ap, sl + ns * steps, wide, c + ns, ld, steps, part(ns, park), false);
+          };
+          if (p0 + pn < P) {  // a block before the last: partial sums only
+            panels(true);
+            half_panel(true);
             return;
           }
           // Row i of the block is streamed i register blocks after row 0 (from a small buffer that stays in
@@ -956,14 +968,9 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
               for (int i = 1; i < MR; ++i)
                 if (k - i >= 0 && k - i < blocks) stream_later(k - i, i);
           } else {
-            for (int64_t n = 0; n < ns; n += swide)
-              bcast_block<T, MR, kStreamVecs, Stream, TA, TS, kABlock>(
-                  a, am, ap, sl + n * steps, swide, c + n, ld, steps, part(n, false), false);
+            panels(false);
           }
-          if constexpr (kStreamVecs != kBcastVecs)
-            if (ns < nw)
-              bcast_block<T, MR, kBcastVecs, kHalfStream, TA, TS, kABlock>(
-                  a, am, ap, sl + ns * steps, wide, c + ns, ld, steps, part(ns, false), false);
+          half_panel(false);
         });
       }
     }
@@ -1162,8 +1169,7 @@ void gemm_bcast(DType dtype, int64_t M, int64_t N, int64_t P, const void* A, int
     // write-combining buffers flush them partially: only whole lines are streamed (16-bit types at avx2 are
     // half a line; docs/performance.md, "gemm_bcast reduction blocks"), except by the row order's blocks of
     // bf16 at avx2, which write whole lines (outer_blocks takes plain stores for its other orders).
-    constexpr bool whole_lines =
-        kBcastVecs * kBlock * sizeof(T) % 64 == 0 || (kBf16RowsOuter && std::is_same_v<T, BFloat16>);
+    constexpr bool whole_lines = kBcastWholeLines<T> || (kBf16RowsOuter && std::is_same_v<T, BFloat16>);
     if (whole_lines && stream && can_stream(c, ldc)) {
       gemm_outer<T, true>(a, a_m, a_p, b, ldb, c, ldc, M, N, P);
       stream_fence();
