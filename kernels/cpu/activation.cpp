@@ -11,7 +11,7 @@ namespace {
 template <bool Stream, class T>
 void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) {
   using A = Acc<T>;
-  if constexpr (kTabled<T>) {
+  if constexpr (kTabledSilu<T>) {
     const SiluTables& t = silu_tables();
     alignas(64) T e[kChunk];
     for (int64_t r = r0; r < r1; ++r) {
@@ -62,7 +62,7 @@ template <bool Stream, class T>
 void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int64_t r0, int64_t r1,
                    int64_t n) {
   using A = Acc<T>;
-  if constexpr (kTabled<T>) {
+  if constexpr (kTabledSilu<T>) {
     const SiluTables& t = silu_tables();
     alignas(64) GradEntry e[kChunk];
     for (int64_t r = r0; r < r1; ++r) {

@@ -20,9 +20,11 @@ namespace KERNMAP_CPU_LEVEL {
 // at first use, by this level's own block math, so every result has the bits it had when computed: eager's
 // roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 640 KiB a level, built (in
 // about 0.5 ms) only by a process that runs a bf16 SiLU row; a row touches the entries of the gates it holds
-// (a layer's activations span a few exponents: a few KiB). The AVX-512 levels, which round in one or two
-// instructions, compute as before (a table there is unmeasured).
-#if !defined(__AVX512F__)
+// (a layer's activations span a few exponents: a few KiB). `avx512` (AVX-512 without its bf16 instructions)
+// reads them for silu_and_mul's rows (kTabledSilu below: SiLU's own compute there), which ran 16-20 % faster
+// so on a Zen 4 (docs/performance.md, "bf16 SiLU tables"); the bf16 levels (`avx512bf16`, `amx`) compute,
+// rounding in one instruction.
+#if !defined(__AVX512BF16__)
 inline constexpr bool kSiluTables = true;
 #else
 inline constexpr bool kSiluTables = false;
@@ -55,6 +57,17 @@ inline const SiluTables& silu_tables() {
 /// Whether T's rows go through the tables.
 template <class T>
 inline constexpr bool kTabled = kSiluTables ? std::is_same_v<T, BFloat16> : false;
+/// SiLU's own rows (y = silu(x), dx = dy * silu'(x)) read them below AVX-512 only: at avx512 a lookup an
+/// element cost as much as the exp or the sigmoid it replaces (Zen 4, one thread in cache: forward 0.355 ns
+/// computed, 0.362 through the tables; backward 0.437 and 0.440), while silu_and_mul's rows, which also save
+/// a rounding or two, gained (docs/performance.md, "bf16 SiLU tables").
+template <class T>
+inline constexpr bool kTabledSilu =
+#if defined(__AVX512F__)
+    false;
+#else
+    kTabled<T>;
+#endif
 
 /// Elements of a row looked up at a time: the chunk's entries go into buffers on the stack (2 KiB at most,
 /// in L1) by scalar loads, then the block loops read them like any operand. Not gathers: on a Zen 3 core an
@@ -64,15 +77,15 @@ inline constexpr int64_t kChunk = 256;
 
 /// A row of n elements through the tables, chunk by chunk: look(c, m) fills the buffers with the entries
 /// of elements c .. c + m, then pair(c, j) runs for each 16 of them at avx2 (two blocks, the pair functions'
-/// lane order), block(c, j) for each kBlock at baseline, one(c, j) for the rest; j counts within the chunk.
-/// pair and block take j as `auto`, so each body is compiled only at the level that runs it.
+/// lane order), block(c, j) for each kBlock at baseline and avx512, one(c, j) for the rest; j counts within
+/// the chunk. pair and block take j as `auto`, so each body is compiled only at the level that runs it.
 template <class Look, class Pair, class Block, class One>
 inline void tabled_row(int64_t n, Look&& look, Pair&& pair, Block&& block, One&& one) {
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t m = std::min(kChunk, n - c);
     look(c, m);
     int64_t j = 0;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)
     for (; j + 2 * kBlock <= m; j += 2 * kBlock) pair(c, j);
     (void)block;
 #else
@@ -106,7 +119,7 @@ inline void look_up_silu(const T* g, int64_t m, const uint16_t* table, T* e) {
 template <class T>
 inline void look_up_grad(const T* g, int64_t m, const GradEntry* table, GradEntry* e) {
   int64_t j = 0;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)
   constexpr int kSlot[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
   for (; j + 16 <= m; j += 16)
     for (int w = 0; w < 4; ++w) {
@@ -129,13 +142,20 @@ inline void load_grad_pair(const E* p, VF ds[2], VF xs[2]) {
   ds[1] = _mm256_shuffle_ps(c, d, 0x88);
   xs[1] = _mm256_shuffle_ps(c, d, 0xdd);
 }
-/// The same for a block of four in order (baseline).
+/// The same for a block in order (baseline: four entries; avx512: sixteen, split by two two-source permutes).
 template <class E>
 inline void load_grad_block(const E* p, VF& ds, VF& xs) {
   const float* f = &p->dsilu;
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_load_ps(f), b = _mm512_load_ps(f + 16);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  ds = _mm512_permutex2var_ps(a, even, b);
+  xs = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+#else
   const __m128 a = _mm_load_ps(f), b = _mm_load_ps(f + 4);
   ds = _mm_shuffle_ps(a, b, 0x88);
   xs = _mm_shuffle_ps(a, b, 0xdd);
+#endif
 }
 
 /// avx2: 16 bf16 copied from a buffer (aligned to 32 bytes), stored as store_bf16_pair stores them.

@@ -234,9 +234,10 @@ const std::vector<Row>& kernel_table() {
        .layouts = {""},
        .check = bf16_silu_is_its_float_math_rounded,
        .dtypes = kNoDtype,
-       // The tables exist below AVX-512 (silu_tables.h); above it the bf16 rows compute, each instantiation's
-       // multiply-adds fused as GCC decides for it (vec.h, madd), checked by silu_eager_roundings instead.
-       .skip = [](const Case& c) { return c.level >= kernmap::cpu::Level::kAvx512; }},
+       // The tables exist below the bf16 levels (silu_tables.h); there the bf16 rows compute, each
+       // instantiation's multiply-adds fused as GCC decides for it (vec.h, madd), checked by
+       // silu_eager_roundings instead.
+       .skip = [](const Case& c) { return c.level >= kernmap::cpu::Level::kAvx512Bf16; }},
       {.op = "empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = empty_inputs},
       // ---- the residual add fused with RMSNorm: against its reference, then properties ----
       {.op = "add_rms_norm",
