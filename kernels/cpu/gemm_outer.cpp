@@ -37,14 +37,6 @@ constexpr int kStreamVecs = kBcastVecs;
 constexpr int kStreamRows = 3;
 constexpr int kStreamVecs = 4;
 #endif
-// Whether the row order streams a register block's rows 1.. one and more blocks after row 0 (outer_blocks):
-// measured on AMD Zen 3 at avx2; the AVX-512 levels (4 x 4 blocks, four lines a row) keep writing all rows at
-// once, unmeasured there.
-#if defined(__AVX512F__)
-constexpr bool kLaterRows = false;
-#else
-constexpr bool kLaterRows = true;
-#endif
 // Whether bf16 products widen A to fp32 in outer_blocks' copy (no dot-product instruction; gemm_outer): each
 // step then broadcasts its scalars from memory, folded into the FMAs, as fp32's do — instead of a scalar
 // widening, a move to a vector register and a broadcast per row and step, on the port the FMAs share. The
@@ -937,9 +929,11 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
           // weight gradient, rows of 2048 fp32 — put a block's three rows' lines at the same offsets).
           // zen3-vm, 2 threads, 1.6 GB of C at P = 16, by C's row length (fp32 columns): 2048: 146-168 ->
           // 98-102 ms (the same rows padded by 32-256 columns, not delayed: 87-94), 1024: 129 -> 95, 4096:
-          // 105 -> 72, 1536: 100 -> 92-95, 768: 44-51 -> 48-50 (docs/performance.md, "gemm_bcast reduction
-          // blocks", its entry "Rows of 8 KiB, explained").
-          if constexpr (kLaterRows && MR > 1) {
+          // 105 -> 72, 1536: 100 -> 92-95, 768: 44-51 -> 48-50; at avx512 on Zen 4 (4 x 4 blocks, four lines
+          // a row) gate_up's weight gradient at 7-27 rows a group 83-86 -> 74-75 ms (docs/performance.md,
+          // "gemm_bcast reduction blocks", its entries "Rows of 8 KiB, explained" and "Later rows at
+          // avx512").
+          if constexpr (MR > 1) {
             alignas(64) Ac later[MR][(MR - 1) * swide];  // block k's rows 1.. in slot k % MR
             Ac* const buf = &later[0][0];
             const auto stream_later = [buf, c, ld](int64_t k, int i) {
