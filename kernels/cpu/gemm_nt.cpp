@@ -895,10 +895,13 @@ void amx_gemm(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BF
 // rows a group 287-293 against 323-341, 42-83 324-345 against 350-360, 101-159 628-634 against 629-642
 // (down_proj, K 768 N 2048: 306 against 328-330), 209-286 299-313 and 149-152 against 299-309 and 149-151,
 // 475-545 153-156 against 143-145, 954-1063 344-359 against 286-299 (docs/performance.md, "Grouped products:
-// tasks and routing"). Elsewhere 64, measured for bf16 on an AVX512-BF16 core (2026-11-29); the other levels'
-// forms since then unmeasured against BLAS.
+// tasks and routing"). The AVX-512 levels' fp32 (the quads form) the same: on Zen 4 (dev-vm, avx512, 2
+// threads) gemm_nt ran 204-212 GFLOP/s at every group size from 64 to 1024 rows against MKL's 149-199, and
+// the bench's routing at 42-83 / 101-159 rows a group took 250-252 / 489-504 ms against 287-292 / 570-580;
+// larger groups stay on BLAS, whose AVX-512 kernels on Intel cores (unmeasured against the quads form) run
+// at half again Zen 4's rate. Elsewhere 64 (baseline; bf16, measured on an AVX512-BF16 core, 2026-11-29).
 int64_t gemm_nt_blas_rows(DType dtype) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
   if (dtype == DType::kFloat32) return 256;
 #endif
   (void)dtype;

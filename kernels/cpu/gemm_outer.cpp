@@ -67,8 +67,9 @@ inline constexpr bool kBcastWholeLines = kBcastVecs* kBlock * sizeof(T) % 64 == 
 // pack_panel): grad @ W of groups of 48 rows or more at avx2 (zen3-vm, fp32, 2 threads, E128 H2048 N1536):
 // 42-83 rows a group 440-450 -> 376-378 ms, 101-159 rows 865-929 -> 725-763; bf16 at 42-83 rows 415-417 ->
 // 356-387; baseline fp32 1079-1226 -> 1042-1074 (docs/performance.md, "gemm_bcast reduction blocks", "Long
-// reductions' panels copied"). The AVX-512 levels' panels (256 bytes wide) keep reading B in place:
-// unmeasured.
+// reductions' panels copied"). The AVX-512 levels' panels (256 bytes wide) keep reading B in place: copied,
+// grad @ W at 42-83 / 101-159 rows a group ran 4 % slower on Zen 4 (avx512, fp32, 2 threads: 276-280 ->
+// 289-293 / 532-540 -> 553-561 ms).
 #if defined(__AVX512F__)
 constexpr bool kPackLongPanels = false;
 #else
