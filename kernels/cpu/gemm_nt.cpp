@@ -899,10 +899,16 @@ void amx_gemm(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BF
 // threads) gemm_nt ran 204-212 GFLOP/s at every group size from 64 to 1024 rows against MKL's 149-199, and
 // the bench's routing at 42-83 / 101-159 rows a group took 250-252 / 489-504 ms against 287-292 / 570-580;
 // larger groups stay on BLAS, whose AVX-512 kernels on Intel cores (unmeasured against the quads form) run
-// at half again Zen 4's rate. Elsewhere 64 (baseline; bf16, measured on an AVX512-BF16 core, 2026-11-29).
+// at half again Zen 4's rate. bf16 at avx512bf16 (the bf16 pairs against oneDNN's bf16 product): 128; on Zen
+// 4, 2 threads, equal groups, GFLOP/s gemm_nt against oneDNN: 64 rows 390-421 against 368-371, 96 405-408
+// against 379-383, 128 418-420 against 409-412, 192 397-404 against 421 (amx, on the tiles both ways, keeps
+// 64: unmeasured). Elsewhere 64 (baseline; bf16 measured on an AVX512-BF16 core, 2026-11-29).
 int64_t gemm_nt_blas_rows(DType dtype) {
 #if defined(__AVX2__)
   if (dtype == DType::kFloat32) return 256;
+#endif
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+  if (dtype == DType::kBFloat16) return 128;
 #endif
   (void)dtype;
   return 64;

@@ -290,8 +290,9 @@ const std::vector<Row>& kernel_table() {
       {.op = "grouped_mm",
        .shapes = {{.sizes = {{"K", 77}, {"N", 70}}, .groups = {5, 0, 18, 17}},
                   {.sizes = {{"K", 131}, {"N", 200}}, .groups = {0, 33, 0, 37}},
-                  // Groups on both sides of the forward's gemm_nt / BLAS routing at every level (64, 256).
-                  {.sizes = {{"K", 70}, {"N", 45}}, .groups = {63, 64, 255, 256, 0, 130}}},
+                  // Groups on both sides of the forward's gemm_nt / BLAS routing at every level (64, 128,
+                  // 256).
+                  {.sizes = {{"K", 70}, {"N", 45}}, .groups = {63, 64, 127, 128, 255, 256, 0, 130}}},
        .layouts = {"b_EKN", "b_ENK_transposed"},
        .check =
            [](const Case& c) {
