@@ -106,9 +106,10 @@ namespace {
 // family the results of its float32 math rounded, as eager rounds: y = round(silu(g)), round(round(silu(g)) *
 // u), dx = round(dy * silu'(x)), du = round(dy * round(g * sigmoid(g))), dg = round(round(dy * u) *
 // silu'(g)), with silu, silu' and g * sigmoid(g) from the same kernels in float32 (a gradient of 1 and an up
-// of 1 isolate them). Below the bf16 levels the bf16 rows read these from tables built at first use (silu_tables.h);
-// a table built with another formula, or a row reading the wrong entry, fails here. Rows of 256 (whole
-// chunks) and of 1031 (a chunk's remainder of 7: looked-up tails, scalar tails).
+// of 1 isolate them). Below AVX-512 the bf16 rows read these from tables built at first use, at avx512
+// silu_and_mul's rows (silu_tables.h); a table built with another formula, or a row reading the wrong entry,
+// fails here. Rows of 256 (whole chunks) and of 1031 (a chunk's remainder of 7: looked-up tails, scalar
+// tails).
 void bf16_silu_is_its_float_math_rounded(const Case& c) {
   const auto& k = kernmap::cpu::kernel_table();
   const auto bf = kernmap::ops::cpu_dtype(at::kBFloat16), f32 = kernmap::ops::cpu_dtype(at::kFloat);
