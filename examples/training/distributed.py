@@ -1,6 +1,7 @@
 # DDP or FSDP2 on kernmap's kernels, under torchrun:
 #   python -m torch.distributed.run --standalone --nproc_per_node 2 distributed.py MODEL_DIR ddp|fsdp2
 # kernelize first (it binds forwards, copies no weights), then wrap or shard as usual.
+import os
 import sys
 
 import torch
@@ -35,3 +36,7 @@ for step in range(4):
         print("step", step + 1, "mean loss", total.item() / world, f"({len(report.replaced)} layers on kernmap)")
 dist.barrier()  # no process leaves while another has collectives in flight
 dist.destroy_process_group()
+# gloo's worker threads can release the last collectives' tensors after the interpreter has begun to shut down,
+# which aborts the process (pytorch/pytorch#179291): a finished run leaves without that shutdown.
+sys.stdout.flush()
+os._exit(0)

@@ -4,6 +4,7 @@ options."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 USAGE = """usage: python -m kernmap <command> [options]
@@ -35,4 +36,11 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    if "kernmap.train.distributed" in sys.modules and sys.modules["kernmap.train.distributed"].left_group():
+        # A distributed run that left its process group: out without interpreter shutdown, during which gloo's
+        # worker threads could abort the process (kernmap.train.distributed.left_group).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -98,6 +98,9 @@ def start(kind: str, batch_size: int, device: str) -> Parallel:
     return parallel
 
 
+_left_group = False
+
+
 def stop(finished: bool = True) -> None:
     """Leaves the process group, if one was joined. A run that finished waits at a barrier first, so that no
     process tears its group down while another still has collectives in flight on it (the last reductions of
@@ -105,7 +108,18 @@ def stop(finished: bool = True) -> None:
     reach the barrier."""
     import torch.distributed as dist
 
+    global _left_group
     if dist.is_available() and dist.is_initialized():
         if finished:
             dist.barrier()
         dist.destroy_process_group()
+        _left_group = True
+
+
+def left_group() -> bool:
+    """Whether this process joined a process group and left it (stop). gloo's worker threads can still hold
+    the last collectives' works then, and release their tensors once the interpreter has begun to shut down:
+    the Python decref that needs the GIL ends the process in std::terminate (pytorch/pytorch#179291; seen as
+    an abort after a finished run, about once in 15-20 runs with other work on the cores). The command line
+    leaves such a process without interpreter shutdown (kernmap/__main__.py)."""
+    return _left_group
