@@ -43,7 +43,7 @@ namespace {
 // Both passes of one elementwise op on shared inputs (grads are dropped between runs).
 std::vector<Case> both_passes(const std::string& op, const std::string& dtype,
                               const std::vector<at::Tensor>& in, const at::Tensor& dy, double fwd_bytes,
-                              double bwd_bytes,
+                              double both_bytes,
                               std::function<at::Tensor(const std::vector<at::Tensor>&)> kern,
                               std::function<at::Tensor(const std::vector<at::Tensor>&)> ref) {
   const std::string shape = shape_string(in[0].sizes());
@@ -63,9 +63,10 @@ std::vector<Case> both_passes(const std::string& op, const std::string& dtype,
                at::NoGradGuard g;
                ref(in);
              }}}};
-  Case both{
-      op,        "fwd+bwd", dtype, shape,
-      bwd_bytes, 0,         0,     {{"kernmap", fwd_bwd(in, dy, kern)}, {"reference", fwd_bwd(in, dy, ref)}}};
+  Case both{op,         "fwd+bwd",
+            dtype,      shape,
+            both_bytes, 0,
+            0,          {{"kernmap", fwd_bwd(in, dy, kern)}, {"reference", fwd_bwd(in, dy, ref)}}};
   return {fwd, both};
 }
 
@@ -114,8 +115,9 @@ std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype, const Shap
     at::Tensor up = at::randn({T, I}).to(dt);
     at::Tensor dy = at::randn({T, I}).to(dt);
     const double n = double(T) * I * gate.element_size();
+    // Forward: gate and up read, y written. Backward: dy, gate and up read, both gradients written.
     return both_passes(
-        "silu_and_mul", dtype, {gate, up}, dy, 3 * n, 6 * n,
+        "silu_and_mul", dtype, {gate, up}, dy, 3 * n, 8 * n,
         [](const std::vector<at::Tensor>& in) { return kernmap::silu_and_mul(in[0], in[1]); },
         [](const std::vector<at::Tensor>& in) { return kernmap::reference::silu_and_mul(in[0], in[1]); });
   });
@@ -128,10 +130,9 @@ std::vector<CaseBuilder> silu_cases(const std::string& dtype, const ShapeFilter&
     at::Tensor x = at::randn({T, I}).to(dt);
     at::Tensor dy = at::randn({T, I}).to(dt);
     const double n = double(T) * I * x.element_size();
-    // Forward: x read, y written; the backward adds dy read and dx written (as silu_and_mul counts it: the
-    // inputs' second read is not counted).
+    // Forward: x read, y written. Backward: dy and x read, dx written.
     return both_passes(
-        "silu", dtype, {x}, dy, 2 * n, 4 * n,
+        "silu", dtype, {x}, dy, 2 * n, 5 * n,
         [](const std::vector<at::Tensor>& in) { return kernmap::silu(in[0]); },
         [](const std::vector<at::Tensor>& in) { return kernmap::reference::silu(in[0]); });
   });
@@ -144,8 +145,9 @@ std::vector<CaseBuilder> swiglu_cases(const std::string& dtype, const ShapeFilte
     at::Tensor gate_up = at::randn({T, 2 * I}).to(dt);
     at::Tensor dy = at::randn({T, I}).to(dt);
     const double n = double(T) * I * gate_up.element_size();
+    // Forward: gate_up read (2n), y written. Backward: dy and gate_up read, the packed gradient written (2n).
     return both_passes(
-        "swiglu", dtype, {gate_up}, dy, 3 * n, 6 * n,
+        "swiglu", dtype, {gate_up}, dy, 3 * n, 8 * n,
         [](const std::vector<at::Tensor>& in) { return kernmap::swiglu(in[0]); },
         [](const std::vector<at::Tensor>& in) { return kernmap::reference::swiglu(in[0]); });
   });
