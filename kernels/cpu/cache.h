@@ -33,9 +33,10 @@ int64_t usable_l3_bytes();
 /// The blocking rule for the level-2 cache: the bytes of the operand a blocked kernel streams that it keeps
 /// in flight per core, a quarter of one core's L2 (of 1 MiB where the size is unknown). The block being
 /// computed and the next one, fetched meanwhile, take half of it; the partial sums beside them and the other
-/// operand's lines the rest. Read by the grouped backward's reduction blocks (kernels/cpu/gemm_outer.cpp) and
-/// its task sizes (ops/grouped_mm.cpp); docs/performance.md, "gemm_bcast reduction blocks", has the
-/// measurements.
+/// operand's lines the rest (at the AVX-512 levels; below them the reduction blocks take all of L2 and
+/// nothing is fetched, gemm_outer.cpp's kBlockL2Quarters). Read by the grouped backward's reduction blocks
+/// (kernels/cpu/gemm_outer.cpp) and its task sizes (ops/grouped_mm.cpp); docs/performance.md, "gemm_bcast
+/// reduction blocks", has the measurements.
 int64_t l2_block_bytes();
 
 /// The most bytes of a weight gradient's reduction (its rows of the second operand over all output columns)

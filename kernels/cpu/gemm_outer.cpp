@@ -84,10 +84,29 @@ constexpr int64_t kRowOrderMinCols = 128;
 // The row-order path's last panel is one of kBcastVecs where Nw leaves part of a kStreamVecs one.
 static_assert(kStreamVecs == kBcastVecs || kStreamVecs == 2 * kBcastVecs);
 
-// Bytes of B per block of the reduction (rows of B's full-width column range): the level-2 rule of
-// kernels/cpu/cache.h, l2_block_bytes (the block being computed and the next one, fetched meanwhile, stay in
-// L2 next to the partial sums). The step count is a multiple of 8 (even: the paired bf16 steps never straddle
-// two blocks); the block size only changes where partial sums are parked, not the order of any sum.
+// Bytes of B per block of the reduction (rows of B's full-width column range), in quarters of one core's L2,
+// and its most steps: at the AVX-512 levels the level-2 rule of kernels/cpu/cache.h, l2_block_bytes (a
+// quarter; the block being computed and the next one, fetched meanwhile in memory order, stay in L2 next to
+// the partial sums); below AVX-512 the whole of L2 up to 128 steps, nothing fetched (kFetchNextBlock): there
+// the panels are one cache line of a row wide (avx2; half a line at baseline, against AVX-512's four), the
+// hardware's prefetchers follow them, and the fetched block (half of L2 at 64 steps of 8 KiB rows, the
+// 6144-FMA minimum below) evicted lines of the current one still to be read. Zen 4 (1 MiB L2), grad @ W of
+// 16-row groups (H 2048, N 1536, fp32, one thread), GFLOP/s: avx2 64 steps fetched 63-66, not fetched 68-70;
+// 128 steps (all of L2) not fetched 77-79, fetched 66-68; 256 not fetched 71-75; down_proj's grad @ W (rows
+// of 768) 78-82 -> 84-86; avx512 32 steps fetched 78, 128 not fetched 58, fetched 56; baseline 128 fetched
+// 29.3, not fetched 30.6. The experts' backward ran 1-2 % slower with 256 steps of down_proj's rows than
+// with 128 (docs/performance.md, "gemm_bcast reduction blocks", "Whole-L2 blocks below AVX-512"). The step
+// count is a multiple of 8 (even: the paired bf16 steps never straddle two blocks); the block size only
+// changes where partial sums are parked, not the order of any sum.
+#if defined(__AVX512F__)
+constexpr int64_t kBlockL2Quarters = 1;
+constexpr bool kFetchNextBlock = true;
+constexpr int64_t kMaxBlockSteps = 256;
+#else
+constexpr int64_t kBlockL2Quarters = 4;
+constexpr bool kFetchNextBlock = false;
+constexpr int64_t kMaxBlockSteps = 128;
+#endif
 
 // Fewest steps of a reduction block: a register block's fixed cost per block (its call, its MR x NV partial
 // sums loaded and parked) spread over at least 6144 multiply-adds, 24 steps at AVX-512 (4 x 4 x 16 a step),
@@ -765,7 +784,8 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // gradient checks) in one pass. The sums are the same either way: each element adds its products in order
   // of p.
   const int64_t block_p = std::clamp<int64_t>(
-      l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8, kMinBlockSteps, 256);
+      kBlockL2Quarters * l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8,
+      kMinBlockSteps, std::max(kMinBlockSteps, kMaxBlockSteps));
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
 #if defined(__AVX512BF16__)
   constexpr bool kDp = std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64;
@@ -976,12 +996,13 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   for (int64_t p0 = 0; p0 < (rows_outer ? 0 : std::max<int64_t>(P, 1)); p0 += step_p) {
     const int64_t pn = std::min(step_p, P - p0);
     const bool resume = p0 > 0, park = p0 + pn < P;
-    // While this reduction block is computed, the next one is fetched in memory order (whole rows of the
-    // column range, which the hardware handles far better than the panel order of the computation), spread
-    // evenly over the block's register-block calls.
-    const Fetch next = park ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * int64_t(sizeof(T)),
-                                             Nw * int64_t(sizeof(T)), std::min(step_p, P - p0 - pn))
-                            : Fetch{};
+    // At the AVX-512 levels (kFetchNextBlock), while this reduction block is computed, the next one is
+    // fetched in memory order (whole rows of the column range, which the hardware handles far better than the
+    // panel order of the computation), spread evenly over the block's register-block calls.
+    const Fetch next = park && kFetchNextBlock
+                           ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * int64_t(sizeof(T)),
+                                            Nw * int64_t(sizeof(T)), std::min(step_p, P - p0 - pn))
+                           : Fetch{};
     for (int64_t n = 0; n < Nw; n += wide) {
       // B rows a multiple of 4 KiB apart (the weights' rows of grad @ W, the weight gradients' y rows) all
       // fall into the same sets of the level-1 cache, so the panel (pn rows x 64 columns) does not stay there
