@@ -114,6 +114,7 @@ constexpr int64_t kMaxBlockSteps = 128;
 // 512 KiB L2 (Zen 3), where 64 ran grad @ W 18-22 % faster at avx2 and 128 faster at baseline; on a 1 MiB L2
 // it gives 32 at AVX-512 (docs/performance.md, "gemm_bcast reduction blocks").
 constexpr int64_t kMinBlockSteps = (6144 / (kBcastRows * kBcastVecs * kBlock) + 7) / 8 * 8;
+static_assert(kMinBlockSteps <= kMaxBlockSteps);
 
 // bf16 (dot-product instruction): a short reduction's panels (the weight gradients of small groups) are
 // interleaved once when at least this many row blocks read them; the long reductions of grad @ W (4 row
@@ -785,7 +786,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // of p.
   const int64_t block_p = std::clamp<int64_t>(
       kBlockL2Quarters * l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8,
-      kMinBlockSteps, std::max(kMinBlockSteps, kMaxBlockSteps));
+      kMinBlockSteps, kMaxBlockSteps);
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
 #if defined(__AVX512BF16__)
   constexpr bool kDp = std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64;
