@@ -44,7 +44,7 @@ constexpr int64_t kMaxThreads = 1024;
 
 struct RunArgs {
   std::string preset, model_dir, data_path, dtype = "float32", kernels = "all";
-  std::string save_dir, resume_dir;
+  std::string save_dir, resume_dir, routing = "replay";
   int64_t threads = 0;
   int64_t steps = 20, warmup = 3, save_every = 0, examples = 64, seq_len = 128;
   std::optional<double> rtol;  ///< align's tolerance; by default 1e-5 for float32, 2e-2 for bfloat16
@@ -94,11 +94,16 @@ void add_run_options(CLI::App& app, RunArgs& r, Run run) {
     add_text(app, "--resume", r.resume_dir, "DIR", "a folder",
              "continue from DIR/checkpoint.safetensors up to --steps");
   }
-  if (run == Run::kAlign)
+  if (run == Run::kAlign) {
     add_real(
         app, "--rtol", r.rtol, Sign::kPositive,
         "largest relative difference of loss and grad_norm that passes (default 1e-5 for float32, 2e-2 for "
         "bfloat16)");
+    add_choice(app, "--routing", r.routing, {"replay", "free"},
+               "a model with experts: the noise and kernelized runs send each token to the experts the "
+               "original chose (replay, counting the tokens their own routers would send elsewhere) or route "
+               "by their own top-k (free)");
+  }
   if (run == Run::kAblate) {
     add_integer(app, "--warmup", r.warmup, 0, kMaxSteps, "unmeasured steps per row first");
     add_value(
@@ -290,13 +295,55 @@ std::string verdict_line(const train::Verdict& v) {
          sci(any ? v.loss.floor.back() : 0.0) + ", grad_norm " + sci(any ? v.grad_norm.floor.back() : 0.0);
 }
 
+// A model with routers: replayed or free routing, and replayed, the tokens each replaying run's own routers
+// would have sent to other experts.
+Json routing_json(const train::AlignResult& res) {
+  if (!res.routing_replayed) return {{"mode", "free"}};
+  auto flips = [](const RoutingTape::Flips& f) {
+    return Json{
+        {"calls", f.calls}, {"tokens", f.tokens}, {"flipped", f.flipped}, {"max_margin", f.max_margin}};
+  };
+  Json steps = Json::array();
+  for (const RoutingTape::Flips& f : res.routing) steps.push_back(flips(f));
+  return {{"mode", "replay"}, {"kernelized", steps}, {"noise", flips(res.noise_routing)}};
+}
+
+std::string routing_lines(const train::AlignResult& res) {
+  RoutingTape::Flips all;
+  std::string at;
+  for (size_t i = 0; i < res.routing.size(); ++i) {
+    const RoutingTape::Flips& f = res.routing[i];
+    all.tokens += f.tokens;
+    all.flipped += f.flipped;
+    all.max_margin = std::max(all.max_margin, f.max_margin);
+    if (f.flipped > 0) at += (at.empty() ? "" : ", ") + std::to_string(i + 1);
+  }
+  auto count = [](const RoutingTape::Flips& f) {
+    return std::to_string(f.flipped) + " of " + std::to_string(f.tokens) + " routed tokens";
+  };
+  std::string out =
+      "routing: the kernelized run's own routers would have sent " + count(all) + " to other experts" +
+      (all.flipped > 0 ? " (steps " + at + "; largest margin " + sci(all.max_margin) + ")" : "") +
+      "; the noise run's " + count(res.noise_routing) +
+      (res.noise_routing.flipped > 0 ? " (largest margin " + sci(res.noise_routing.max_margin) + ")" : "") +
+      "\n";
+  return out;
+}
+
 int align_command(const RunArgs& r) {
   const train::LayerSet layers = kernel_layers(r);
   const auto factory = model_factory(r);
-  const ModelConfig config = factory()->config();
+  ModelConfig config;
+  bool routes = false;
+  {
+    const auto probe = factory();  // freed before the runs
+    config = probe->config();
+    routes = probe->routes_tokens();
+  }
   const train::Dataset data = load_data(r, config.vocab_size);
-  const train::AlignResult res = train::align(factory, data, r.options, layers, r.steps, *r.rtol,
-                                              r.json ? train::Progress{} : progress_bar("align"), r.verify);
+  const train::AlignResult res = train::align(
+      factory, data, r.options, layers, r.steps, *r.rtol, r.json ? train::Progress{} : progress_bar("align"),
+      r.verify, r.routing == "free" ? train::Routing::kFree : train::Routing::kReplay);
   const train::Verdict& v = res.verdict;
   if (r.json) {
     Json noise_kernels = Json::object();  // layer -> the kernel the noise run bound (its float64 kernel)
@@ -320,7 +367,8 @@ int align_command(const RunArgs& r) {
                 {"original", steps_json(res.original)},
                 {"noise", steps_json(res.noise)},
                 {"noise_alone", noise_alone},
-                {"kernelized", steps_json(res.kernelized)}});
+                {"kernelized", steps_json(res.kernelized)},
+                {"routing", routes ? routing_json(res) : Json()}});
     return res.passed ? 0 : 1;
   }
   std::printf("align %s, %lld steps, kernels: ", describe(r, config, data).c_str(),
@@ -329,8 +377,14 @@ int align_command(const RunArgs& r) {
   for (const ReportEntry& e : res.report.entries)
     if (!e.fallback && bound.find(e.kernel) == std::string::npos)
       bound += (bound.empty() ? "" : ", ") + e.kernel;
-  std::printf("%s\noriginal: the reference kernels; noise floor: %s\n\n",
-              bound.empty() ? "none (all reference)" : bound.c_str(), train::kNoiseRun);
+  std::printf("%s\noriginal: the reference kernels; noise floor: %s\n",
+              bound.empty() ? "none (all reference)" : bound.c_str(),
+              res.routing_replayed ? train::kNoiseRunReplayed : train::kNoiseRun);
+  if (res.routing_replayed)
+    std::printf(
+        "routing: the noise and kernelized runs send every token to the experts the original chose "
+        "(--routing replay)\n");
+  std::printf("\n");
   print_verified(r, res.report);
   Table table{{"step", "loss original", "loss kernelized", "rel diff", "noise", "tolerance",
                "grad_norm original", "grad_norm kernelized", "rel diff", "noise", "tolerance"},
@@ -343,6 +397,7 @@ int align_command(const RunArgs& r) {
                           sci(v.grad_norm.tolerance[i])});
   }
   std::fputs(table.render().c_str(), stdout);
+  if (res.routing_replayed) std::printf("\n%s", routing_lines(res).c_str());
   std::printf("\n%s\n", verdict_line(v).c_str());
   return res.passed ? 0 : 1;
 }

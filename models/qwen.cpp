@@ -108,10 +108,19 @@ class TopKRouter : public torch::nn::Module {
     const Tensor logits = at::linear(h, weight);
     const Tensor probs = at::softmax(logits, -1, at::kFloat);
     auto [top, ids] = at::topk(probs, top_k_, -1);
+    if (tape) {
+      // A replayed routing: the recorded experts, weighted by this router's own probabilities.
+      const Tensor routed = tape->route(probs, ids);
+      if (!routed.is_same(ids)) {
+        ids = routed;
+        top = probs.gather(-1, ids);
+      }
+    }
     if (norm_) top = top / top.sum(-1, /*keepdim=*/true);
     return {top.to(logits.scalar_type()), ids};
   }
   Tensor weight;
+  std::shared_ptr<RoutingTape> tape;  // null: its own top-k
 
  private:
   int64_t top_k_;
@@ -271,6 +280,17 @@ void CausalLM::init_weights(uint64_t seed) {
     }
   }
   if (config_.pad_token_id >= 0) model_->embed_tokens->weight[config_.pad_token_id].zero_();
+}
+
+void CausalLM::set_routing_tape(std::shared_ptr<RoutingTape> tape) {
+  for (const auto& m : modules())
+    if (auto* router = dynamic_cast<TopKRouter*>(m.get())) router->tape = tape;
+}
+
+bool CausalLM::routes_tokens() const {
+  for (const auto& m : modules())
+    if (dynamic_cast<const TopKRouter*>(m.get())) return true;
+  return false;
 }
 
 namespace {

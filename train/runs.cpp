@@ -59,34 +59,57 @@ const KernelDescriptor* float64_kernel(const std::string& layer) {
 
 AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, const Dataset& data,
                   const TrainOptions& options, const LayerSet& layers, int64_t steps, double rtol,
-                  const Progress& progress, bool verify) {
+                  const Progress& progress, bool verify, Routing routing) {
   AlignResult result;
   result.rtol = rtol;
   Baseline noise_kernels;
   for (const std::string& layer : layers)
     if (const KernelDescriptor* k = float64_kernel(layer)) noise_kernels[layer] = k->name;
-  // A model that routes tokens: one more noise run per selected layer it has, that layer alone on its float64
-  // kernel.
+  const std::shared_ptr<CausalLM> probe = make_model();
+  // A model that routes tokens: the runs after the original replay its routing, or (free routing) one more
+  // noise run per selected layer it has, that layer alone on its float64 kernel.
+  const std::shared_ptr<RoutingTape> tape =
+      routing == Routing::kReplay && probe->routes_tokens() ? std::make_shared<RoutingTape>() : nullptr;
+  result.routing_replayed = tape != nullptr;
   std::vector<std::string> alone;
-  const std::vector<std::string> present = layers_of(*make_model());
+  const std::vector<std::string> present = layers_of(*probe);
   for (const std::string& layer : present)
     if (noise_kernels.count(layer)) alone.push_back(layer);
-  if (alone.size() < 2 || std::find(present.begin(), present.end(), "Experts") == present.end())
+  if (tape || alone.size() < 2 || std::find(present.begin(), present.end(), "Experts") == present.end())
     alone.clear();
   const int64_t total = static_cast<int64_t>(3 + alone.size()) * steps;
   int64_t done = 0;
-  auto run = [&](const std::function<Report(CausalLM&)>& bind, std::vector<StepLog>& logs) {
+  // flips: per step, the routers' flips against the replayed routing (replaying runs with a tape).
+  auto run = [&](const std::function<Report(CausalLM&)>& bind, std::vector<StepLog>& logs,
+                 std::vector<RoutingTape::Flips>* flips = nullptr) {
     auto model = make_model();
     Report report = bind(*model);
+    if (tape) {
+      // After the binding: verifying kernels runs the model on a sample batch, which must not be replayed.
+      if (flips)
+        tape->replay();
+      else
+        tape->record();
+      model->set_routing_tape(tape);
+    }
     Trainer trainer(model, data, options);
     for (int64_t s = 0; s < steps; ++s) {
       logs.push_back(trainer.step());
+      if (tape && flips) flips->push_back(tape->take_flips());
       if (progress) progress(++done, total);
     }
     return report;
   };
   run([](CausalLM& m) { return restore_reference(m); }, result.original);
-  result.noise_report = run([&](CausalLM& m) { return bind_kernels(m, {}, noise_kernels); }, result.noise);
+  std::vector<RoutingTape::Flips> noise_flips;
+  result.noise_report =
+      run([&](CausalLM& m) { return bind_kernels(m, {}, noise_kernels); }, result.noise, &noise_flips);
+  for (const RoutingTape::Flips& f : noise_flips) {
+    result.noise_routing.calls += f.calls;
+    result.noise_routing.tokens += f.tokens;
+    result.noise_routing.flipped += f.flipped;
+    result.noise_routing.max_margin = std::max(result.noise_routing.max_margin, f.max_margin);
+  }
   for (const std::string& layer : alone) {
     const Baseline one{{layer, noise_kernels.at(layer)}};
     run([&](CausalLM& m) { return bind_kernels(m, {}, one); }, result.noise_alone[layer]);
@@ -95,7 +118,7 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
       [&](CausalLM& m) {
         return bind_kernels(m, layers, {}, verify ? sample_step(m, data, options.batch_size) : Verify{});
       },
-      result.kernelized);
+      result.kernelized, &result.routing);
   std::vector<std::vector<StepLog>> noise_runs{result.noise};
   for (const auto& entry : result.noise_alone) noise_runs.push_back(entry.second);
   result.verdict = judge(result.original, result.kernelized, noise_runs, rtol);

@@ -80,6 +80,46 @@ struct KERNMAP_API ModelConfig {
 
 class DecoderModel;
 
+/// The routers' expert choices of one run, recorded call by call, for other runs of the same model on the
+/// same batches to replay: each router of a replaying model takes the recorded top-k experts for its tokens
+/// (their weights from its own probabilities) instead of its own top-k, so a rounding difference that tips a
+/// near-tie of a router cannot send a token to another expert and part the runs by a discrete step. `kernmap
+/// align` replays the original run's routing in its other runs (docs/training.md, "Routing"). Where a
+/// replaying router's own top-k differs from the recorded one (as sets of experts: a flip), it counts the
+/// token and the flip's margin: (p_k - p_min) / p_k, p_k its own k-th largest probability and p_min its
+/// probability of the least likely recorded expert (0 for a tie). Not thread-safe: one model's forward at a
+/// time.
+class KERNMAP_API RoutingTape {
+ public:
+  /// The flips counted over a span of router calls (take_flips).
+  struct Flips {
+    int64_t calls = 0;      ///< router calls
+    int64_t tokens = 0;     ///< tokens routed
+    int64_t flipped = 0;    ///< tokens whose own top-k experts differ from the recorded ones
+    double max_margin = 0;  ///< the largest margin among them (0 when none flipped)
+  };
+  /// Clears the tape and records from now on.
+  void record();
+  /// Replays from the first recorded call; throws std::logic_error when nothing was recorded.
+  void replay();
+  bool replaying() const { return replaying_; }
+  /// Router calls recorded.
+  int64_t size() const { return static_cast<int64_t>(calls_.size()); }
+  /// The flips since the last take_flips (or replay()), and starts a new span.
+  Flips take_flips();
+  /// Called by a router with its probabilities [T, E] (fp32) and its own top-k experts [T, k] (int64):
+  /// recording, stores the experts and returns them; replaying, returns the next recorded call's experts (the
+  /// router's own when they are equal) and counts its flips. Throws std::runtime_error naming the call when a
+  /// replay runs past the recording or a call's [T, k] differs from the recorded one's.
+  at::Tensor route(const at::Tensor& probs, const at::Tensor& ids);
+
+ private:
+  std::vector<at::Tensor> calls_;  // [T, k] int32, in call order
+  size_t next_ = 0;
+  bool replaying_ = false;
+  Flips flips_;
+};
+
 /// Without labels: the logits [B, S, V]. With labels: the loss (mean next-token cross-entropy in fp32, labels
 /// -100 ignored), computed by the model's ForCausalLMLoss layer, and no logits (undefined): the fused kernel
 /// never materializes them (forward(input_ids) gives them).
@@ -111,6 +151,10 @@ class KERNMAP_API CausalLM : public torch::nn::Module {
   /// Writes config.json and the weights under their transformers names: one model.safetensors, or with
   /// max_shard_bytes > 0 shards model-0000i-of-0000N.safetensors and model.safetensors.index.json.
   void save_pretrained(const std::string& dir, uint64_t max_shard_bytes = 0) const;
+  /// Gives every router of the model the tape (nullptr: each routes by its own top-k, as by default).
+  void set_routing_tape(std::shared_ptr<RoutingTape> tape);
+  /// Whether the model has routers (top-k experts).
+  bool routes_tokens() const;
 
  private:
   ModelConfig config_;

@@ -249,6 +249,17 @@ inline constexpr const char* kNoiseRun =
     "the original with the selected layers on their float64 kernels (the reference's math from float64, "
     "rounded where it rounds), and in a model that routes tokens to experts each selected layer alone on its "
     "float64 kernel too; the largest drift of these runs";
+/// The same with the original's routing replayed (align's default for a model with routers: no per-layer
+/// runs).
+inline constexpr const char* kNoiseRunReplayed =
+    "the original with the selected layers on their float64 kernels (the reference's math from float64, "
+    "rounded where it rounds)";
+
+/// How align's runs after the original route tokens to experts (a model without routers ignores it).
+enum class Routing {
+  kReplay,  ///< every token to the experts the original run chose for it (RoutingTape); flips are counted
+  kFree,    ///< each router by its own top-k, as in training; a model with experts gets per-layer noise runs
+};
 
 /// The float64 kernel of a layer (provider "float64": the reference's math from float64, rounded where the
 /// reference rounds), or nullptr when the layer has none.
@@ -257,14 +268,24 @@ KERNMAP_API const KernelDescriptor* float64_kernel(const std::string& layer);
 /// Original (all references) and kernelized runs of the same model, data and seed, step by step, and the
 /// noise runs: the original with every selected layer on its float64 kernel, a correct kernel whose rounding
 /// differs from the reference's where the kernels' does, so it drifts from the original as correct arithmetic
-/// drifts on this machine and this model (docs/training.md, "The verdict"). A model that routes tokens to
-/// experts gets one more noise run per selected layer (when more than one is selected), that layer alone on
-/// its float64 kernel: a router's near-tie flips on one rounding and not another, so one run samples that
-/// drift once and can miss it. The runs train one after another, so one model is held at a time.
+/// drifts on this machine and this model (docs/training.md, "The verdict"). In a model that routes tokens to
+/// experts the runs after the original replay its routing (Routing::kReplay, RoutingTape): a rounding that
+/// tips a router's near-tie would otherwise send a token to another expert and part the runs by a discrete
+/// step that says nothing of the kernels' arithmetic; the tokens whose experts a run's own routers would
+/// have chosen otherwise are counted (docs/training.md, "Routing"). With Routing::kFree such a model gets one
+/// more noise run per selected layer (when more than one is selected), that layer alone on its float64
+/// kernel, to sample those flips. The runs train one after another, so one model is held at a time.
 struct KERNMAP_API AlignResult {
   std::vector<StepLog> original, kernelized, noise;
-  /// The per-layer noise runs (layer -> its steps); empty for a model without experts.
+  /// The per-layer noise runs (layer -> its steps); empty for a model without experts and with replayed
+  /// routing.
   std::map<std::string, std::vector<StepLog>> noise_alone;
+  /// Whether the runs after the original replayed its routing (a model with routers, Routing::kReplay).
+  bool routing_replayed = false;
+  /// Per step of the kernelized run, the tokens its routers would have sent elsewhere (replayed routing;
+  /// empty otherwise); noise_routing: the noise run's, all steps together.
+  std::vector<RoutingTape::Flips> routing;
+  RoutingTape::Flips noise_routing;
   Report report;        ///< the kernelized run's binding
   Report noise_report;  ///< the noise run's binding: every selected layer on its float64 kernel
   Verdict verdict;
@@ -278,7 +299,8 @@ struct KERNMAP_API AlignResult {
 /// says why).
 KERNMAP_API AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model,
                               const Dataset& data, const TrainOptions& options, const LayerSet& layers,
-                              int64_t steps, double rtol, const Progress& progress = {}, bool verify = false);
+                              int64_t steps, double rtol, const Progress& progress = {}, bool verify = false,
+                              Routing routing = Routing::kReplay);
 
 /// transformers' experts implementations an ablation's original rows run ("grouped_mm", transformers 5.23's
 /// default; "batched_mm"; "eager", the reference loop): their kernel names; throws std::invalid_argument for

@@ -8,6 +8,9 @@
 
 #include <filesystem>
 #include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernmap/models.h"
@@ -177,6 +180,92 @@ TEST(Checkpoint, SaveAndLoadRoundTripOneFileAndSharded) {
     }
   }
   std::filesystem::remove_all(dir);
+}
+
+TEST(RoutingTape, ReplaysTheRecordedExpertsAndCountsFlips) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  // Three tokens, four experts, top-2.
+  const at::Tensor probs =
+      at::tensor({0.4f, 0.3f, 0.2f, 0.1f, 0.1f, 0.2f, 0.3f, 0.4f, 0.24f, 0.26f, 0.3f, 0.2f}, f32)
+          .view({3, 4});
+  const at::Tensor recorded = at::tensor({0, 1, 3, 2, 2, 0}, i64).view({3, 2});
+  RoutingTape tape;
+  EXPECT_THROW(tape.replay(), std::logic_error);  // nothing recorded
+  tape.record();
+  EXPECT_TRUE(tape.route(probs, recorded).is_same(recorded));  // recording returns the router's own
+  EXPECT_EQ(tape.size(), 1);
+  tape.replay();
+  EXPECT_TRUE(tape.replaying());
+  // Its own: token 0 the same, token 1 the same experts in another order (no flip), token 2 expert 1 for 0.
+  const at::Tensor own = at::tensor({0, 1, 2, 3, 2, 1}, i64).view({3, 2});
+  const at::Tensor routed = tape.route(probs, own);
+  EXPECT_TRUE(at::equal(routed, recorded));
+  EXPECT_EQ(routed.scalar_type(), at::kLong);
+  const RoutingTape::Flips f = tape.take_flips();
+  EXPECT_EQ(f.calls, 1);
+  EXPECT_EQ(f.tokens, 3);
+  EXPECT_EQ(f.flipped, 1);
+  // Its own k-th probability 0.26 against the recorded experts' least, 0.24.
+  EXPECT_FLOAT_EQ(static_cast<float>(f.max_margin), (0.26f - 0.24f) / 0.26f);
+  EXPECT_EQ(tape.take_flips().calls, 0);  // a new span
+  try {
+    tape.route(probs, own);
+    ADD_FAILURE() << "a replay past the recording must throw";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("router call 2 is past the 1 calls recorded"), std::string::npos)
+        << e.what();
+  }
+  tape.replay();
+  try {
+    tape.route(probs.narrow(0, 0, 2), own.narrow(0, 0, 2));
+    ADD_FAILURE() << "another batch must throw";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("[2, 2], the recorded call [3, 2]"), std::string::npos) << e.what();
+  }
+  // Replaying the same choices returns the router's own tensor: its arithmetic is the free run's.
+  tape.replay();
+  EXPECT_TRUE(tape.route(probs, recorded).is_same(recorded));
+  EXPECT_EQ(tape.take_flips().flipped, 0);
+}
+
+TEST(RoutingTape, ModelsFollowTheRecordedRouting) {
+  for (const std::string& name : {std::string("qwen2-moe-tiny"), std::string("qwen3-moe-tiny")}) {
+    auto a = make_preset(name);
+    ASSERT_TRUE(a->routes_tokens()) << name;
+    const at::Tensor ids = sample_ids(a->config());
+    auto tape = std::make_shared<RoutingTape>();
+    tape->record();
+    a->set_routing_tape(tape);
+    const at::Tensor loss_a = a->forward(ids, ids).loss;
+    const int64_t calls = tape->size();
+    EXPECT_GT(calls, 0) << name;
+    // The same model replaying its own routing computes what it did, bit for bit, without a flip.
+    tape->replay();
+    EXPECT_TRUE(at::equal(a->forward(ids, ids).loss, loss_a)) << name;
+    RoutingTape::Flips f = tape->take_flips();
+    EXPECT_EQ(f.calls, calls) << name;
+    EXPECT_EQ(f.tokens, calls * ids.numel()) << name;
+    EXPECT_EQ(f.flipped, 0) << name;
+    // Routers that prefer the opposite experts: replaying, every token goes where a's routers sent it.
+    auto b = make_preset(name);
+    {
+      at::NoGradGuard no_grad;
+      for (const auto& p : b->named_parameters())
+        if (p.key().find("mlp.gate.weight") != std::string::npos) p.value().neg_();
+    }
+    const at::Tensor loss_free = b->forward(ids, ids).loss;
+    b->set_routing_tape(tape);
+    tape->replay();
+    const at::Tensor loss_replayed = b->forward(ids, ids).loss;
+    f = tape->take_flips();
+    EXPECT_EQ(f.flipped, calls * ids.numel()) << name << ": 4 of 32 experts, the opposite ends";
+    EXPECT_GT(f.max_margin, 0.0) << name;
+    EXPECT_FALSE(at::equal(loss_replayed, loss_free)) << name;
+    b->set_routing_tape(nullptr);
+    EXPECT_TRUE(at::equal(b->forward(ids, ids).loss, loss_free)) << name;
+  }
+  EXPECT_FALSE(make_preset("qwen2-tiny")->routes_tokens());
 }
 
 TEST(Config, ErrorsNameTheKey) {

@@ -253,10 +253,36 @@ def test_align_json_document_numbers_round_trip(run_cli):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert list(doc) == ["model", "passed", "rtol", "noise_factor", "max_loss_rel", "max_grad_norm_rel", "kernels",
-                         "noise_kernels", "verdict", "original", "noise", "noise_alone", "kernelized"]
+                         "noise_kernels", "verdict", "original", "noise", "noise_alone", "kernelized", "routing"]
     assert doc["rtol"] == rtol and doc["passed"] is True
     assert len(doc["original"]) == len(doc["noise"]) == len(doc["kernelized"]) == 2
     assert doc["max_loss_rel"] <= rtol and doc["max_grad_norm_rel"] <= rtol
+    assert doc["routing"] is None  # a dense model routes nothing
+
+
+MOE = ["--preset", "qwen3-moe-tiny", "--steps", 2, "--seq-len", 8, "--batch-size", 2, "--threads", 1]
+
+
+def test_align_replays_the_original_routing_in_a_model_with_experts(run_cli):
+    out = run_cli("align", *MOE, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    routing = doc["routing"]
+    assert routing["mode"] == "replay" and doc["noise_alone"] == {}
+    # Each step: qwen3-moe-tiny's 2 routers route the batch's 2 x 8 tokens once each.
+    assert [list(s) for s in routing["kernelized"]] == [["calls", "tokens", "flipped", "max_margin"]] * 2
+    assert all(s["calls"] == 2 and s["tokens"] == 32 and 0 <= s["flipped"] <= 32 for s in routing["kernelized"])
+    assert routing["noise"]["calls"] == 4 and routing["noise"]["tokens"] == 64
+    human = run_cli("align", *MOE)
+    assert human.returncode == 0, human.stderr
+    assert "routing: the noise and kernelized runs send every token to the experts the original chose" in human.stdout
+    assert "routed tokens to other experts" in human.stdout
+    free = json.loads(run_cli("align", *MOE, "--routing", "free", "--json").stdout)
+    assert free["routing"] == {"mode": "free"}
+    # Routing freely, a model with experts gets a noise run per selected layer, that layer alone on float64.
+    assert set(free["noise_alone"]) == set(free["noise_kernels"])
+    bad = run_cli("align", *MOE, "--routing", "fixed")
+    assert bad.returncode != 0 and "--routing must be one of replay, free, got 'fixed'" in bad.stderr
 
 
 def test_ablate_json_document(run_cli):
