@@ -321,13 +321,16 @@ std::string routing_lines(const train::AlignResult& res) {
   auto count = [](const RoutingTape::Flips& f) {
     return std::to_string(f.flipped) + " of " + std::to_string(f.tokens) + " routed tokens";
   };
-  std::string out =
-      "routing: the kernelized run's own routers would have sent " + count(all) + " to other experts" +
-      (all.flipped > 0 ? " (steps " + at + "; largest margin " + sci(all.max_margin) + ")" : "") +
-      "; the noise run's " + count(res.noise_routing) +
-      (res.noise_routing.flipped > 0 ? " (largest margin " + sci(res.noise_routing.max_margin) + ")" : "") +
-      "\n";
-  return out;
+  const bool several = at.find(',') != std::string::npos;
+  return "routing flips: the kernelized run's own routers would have sent " + count(all) +
+         " to other experts" +
+         (all.flipped > 0 ? std::string(several ? " (steps " : " (step ") + at + "; largest margin " +
+                                sci(all.max_margin) + ")"
+                          : "") +
+         "; the noise run's " + count(res.noise_routing) +
+         (res.noise_routing.flipped > 0 ? " (largest margin " + sci(res.noise_routing.max_margin) + ")"
+                                        : "") +
+         "\n";
 }
 
 int align_command(const RunArgs& r) {
