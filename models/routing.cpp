@@ -33,7 +33,8 @@ RoutingTape::Flips RoutingTape::take_flips() {
 
 at::Tensor RoutingTape::route(const at::Tensor& probs, const at::Tensor& ids) {
   if (!replaying_) {
-    calls_.push_back(ids.detach().to(at::kInt));
+    // 2 bytes an expert id where they fit (every MoE model's expert count does).
+    calls_.push_back(ids.detach().to(probs.size(-1) <= 32768 ? at::kShort : at::kInt));
     return ids;
   }
   const size_t call = next_ + 1;
@@ -52,7 +53,7 @@ at::Tensor RoutingTape::route(const at::Tensor& probs, const at::Tensor& ids) {
   flips_.calls += 1;
   flips_.tokens += ids.size(0);
   at::NoGradGuard no_grad;
-  const at::Tensor own = ids.to(at::kInt);
+  const at::Tensor own = ids.to(recorded.scalar_type());
   if (own.equal(recorded)) return ids;
   const at::Tensor replayed = recorded.to(at::kLong);
   // A flip: the sets of experts differ (the same experts in another order are not one).

@@ -65,14 +65,19 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
   Baseline noise_kernels;
   for (const std::string& layer : layers)
     if (const KernelDescriptor* k = float64_kernel(layer)) noise_kernels[layer] = k->name;
-  const std::shared_ptr<CausalLM> probe = make_model();
+  std::vector<std::string> present;
+  bool routes = false;
+  {
+    const std::shared_ptr<CausalLM> probe = make_model();  // freed before the runs
+    present = layers_of(*probe);
+    routes = probe->routes_tokens();
+  }
   // A model that routes tokens: the runs after the original replay its routing, or (free routing) one more
   // noise run per selected layer it has, that layer alone on its float64 kernel.
   const std::shared_ptr<RoutingTape> tape =
-      routing == Routing::kReplay && probe->routes_tokens() ? std::make_shared<RoutingTape>() : nullptr;
+      routing == Routing::kReplay && routes ? std::make_shared<RoutingTape>() : nullptr;
   result.routing_replayed = tape != nullptr;
   std::vector<std::string> alone;
-  const std::vector<std::string> present = layers_of(*probe);
   for (const std::string& layer : present)
     if (noise_kernels.count(layer)) alone.push_back(layer);
   if (tape || alone.size() < 2 || std::find(present.begin(), present.end(), "Experts") == present.end())

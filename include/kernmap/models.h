@@ -87,8 +87,8 @@ class DecoderModel;
 /// align` replays the original run's routing in its other runs (docs/training.md, "Routing"). Where a
 /// replaying router's own top-k differs from the recorded one (as sets of experts: a flip), it counts the
 /// token and the flip's margin: (p_k - p_min) / p_k, p_k its own k-th largest probability and p_min its
-/// probability of the least likely recorded expert (0 for a tie). Not thread-safe: one model's forward at a
-/// time.
+/// probability of the least likely recorded expert (0 for a tie). It holds 2 bytes per token, expert slot and
+/// router call (k x MoE layers x tokens a step). Not thread-safe: one model's forward at a time.
 class KERNMAP_API RoutingTape {
  public:
   /// The flips counted over a span of router calls (take_flips).
@@ -114,7 +114,7 @@ class KERNMAP_API RoutingTape {
   at::Tensor route(const at::Tensor& probs, const at::Tensor& ids);
 
  private:
-  std::vector<at::Tensor> calls_;  // [T, k] int32, in call order
+  std::vector<at::Tensor> calls_;  // [T, k] int16 (int32 past 32768 experts), in call order
   size_t next_ = 0;
   bool replaying_ = false;
   Flips flips_;
