@@ -60,8 +60,26 @@ def test_align_passes_on_a_tiny_checkpoint_of_every_family(family, checkpoints):
     assert len(doc["original"]) == len(doc["noise"]) == len(doc["kernelized"]) == 6
     moe = family in ("qwen2_moe", "qwen3_moe", "mixtral")
     assert doc["experts_implementation"] == ("grouped_mm" if moe else None)  # transformers' default
-    # A model that routes tokens gets a noise run per layer, that layer alone on its float64 kernel.
-    assert set(doc["noise_alone"]) == (set(bound) if moe else set())
+    # A model that routes tokens replays the original's routing in the noise and kernelized runs (no per-layer
+    # noise runs), counting per step the tokens its own routers would have sent elsewhere.
+    assert doc["noise_alone"] == {}
+    if moe:
+        routing = doc["routing"]
+        assert routing["mode"] == "replay" and len(routing["kernelized"]) == 6
+        # 2 decoder layers' routers, each called once a step on the batch's 2 x 24 tokens
+        assert all(s["calls"] == 2 and s["tokens"] == 96 for s in routing["kernelized"])
+        assert routing["noise"]["calls"] == 12
+    else:
+        assert doc["routing"] is None
+
+
+def test_free_routing_samples_each_layer_alone(checkpoints):
+    doc = align_json("--model", checkpoints / "qwen3_moe", *FAST, "--routing", "free")
+    assert doc["passed"], doc["verdict"]
+    assert doc["routing"] == {"mode": "free"}
+    # Routing freely, a model with experts gets a noise run per layer, that layer alone on its float64 kernel.
+    bound = {row["layer"] for row in doc["kernels"]["layers"] if not row["fallback"]}
+    assert set(doc["noise_alone"]) == bound
     assert all(len(steps) == 6 for steps in doc["noise_alone"].values())
 
 
@@ -80,7 +98,8 @@ def test_the_qwen2_moe_preset_passes_on_the_largest_drift_of_its_noise_runs():
     # With the one noise run of every layer on float64 this FAILed: grad_norm 6.0e-5 (step 18) against a floor
     # of 3.1e-6 — a router near-tie the kernelized run tipped and that run did not; ForCausalLMLoss's and
     # RMSNorm's float64 kernels alone tip it too (6.0e-5), so with their runs in the floor it PASSes.
-    doc = align_json("--preset", "qwen2-moe-tiny", "--steps", "20")
+    # Routing freely (replayed, the runs cannot part on a tie: test_routing.py, the C++ test_align).
+    doc = align_json("--preset", "qwen2-moe-tiny", "--steps", "20", "--routing", "free")
     assert doc["passed"], doc["verdict"]
     runs = [doc["noise"], *doc["noise_alone"].values()]
     assert len(runs) == 7  # all six layers together, and each alone
@@ -105,6 +124,8 @@ def test_align_with_lora_passes_and_fuses_the_lora_mlp(family, checkpoints):
 def test_align_with_gradient_checkpointing_passes(checkpoints):
     doc = align_json("--model", checkpoints / "qwen3_moe", *FAST, "--gradient-checkpointing")
     assert doc["passed"] and doc["gradient_checkpointing"]
+    # the recomputation in the backward replays too: each router twice a step
+    assert all(s["calls"] == 4 for s in doc["routing"]["kernelized"])
 
 
 @pytest.mark.slow

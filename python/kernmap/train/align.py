@@ -2,7 +2,9 @@
 third run that measures how far correct arithmetic drifts on this machine and this model — the original with
 every selected layer on its float64 kernel (the reference's math from float64, rounded where the reference
 rounds: the most accurate kernel of the layer); per step the loss and grad_norm of each, their differences, and
-the verdict (kernmap/train/verdict.py, the C++ command's rule). With --compile, torch.compile of the original and
+the verdict (kernmap/train/verdict.py, the C++ command's rule). In a model with experts the noise and kernelized
+runs replay the original's routing (kernmap/train/routing.py; --routing free: their own top-k, with a noise run
+per layer alone on its float64 kernel). With --compile, torch.compile of the original and
 of the kernelized model are judged too. The runs train one after another, so one model is held at a time.
 """
 
@@ -15,6 +17,7 @@ from . import distributed, options
 from .errors import UsageError
 from .models import Setup, layers_of
 from .output import fixed, json_document, progress_bar, render, sci
+from .routing import Flips, RoutingTape, routers
 from .session import Session, open_session
 from .trainer import StepLog, Trainer
 from .verdict import Verdict, judge
@@ -22,6 +25,8 @@ from .verdict import Verdict, judge
 NOISE_RUN = ("the original with the selected layers on their float64 kernels (the reference's math from float64, "
              "rounded where it rounds), and in a model that routes tokens to experts each selected layer alone on "
              "its float64 kernel too; the largest drift of these runs")  # the C++ kNoiseRun
+NOISE_RUN_REPLAYED = ("the original with the selected layers on their float64 kernels (the reference's math from "
+                      "float64, rounded where it rounds)")  # the C++ kNoiseRunReplayed
 ALONE = "noise: "  # the name of a noise run of one layer alone: "noise: RMSNorm"
 
 
@@ -30,6 +35,7 @@ class Run:
     name: str
     setup: Setup
     logs: list[StepLog] = field(default_factory=list)
+    flips: list[Flips] = field(default_factory=list)  # per step, a run that replays the original's routing
 
     def series(self) -> dict[str, list[float]]:
         return {"loss": [s.loss for s in self.logs], "grad_norm": [s.grad_norm for s in self.logs]}
@@ -41,46 +47,104 @@ class AlignResult:
     verdicts: dict[str, Verdict]  # every judged run's, by run name
     report: object  # the kernelized model's kernelize report
     noise_report: object  # the noise run's: the selected layers on their float64 kernels
+    routing: str | None = None  # "replay" or "free" for a model with routers, None without
 
     @property
     def passed(self) -> bool:
         return all(v.passed for v in self.verdicts.values())
 
 
-def noise_alone_layers(session: Session) -> list[str]:
-    """The selected layers that get a noise run of their own: in a model that routes tokens to experts, each
-    (when more than one is selected) — a router's near-tie flips under one rounding and not another, so the one
-    run of all of them samples that drift once and can miss it (docs/training.md, "The verdict")."""
+def routing_of(session: Session) -> str | None:
+    """"replay" (the noise and kernelized runs replay the original's routing) or "free" for a model with routers
+    (free: --routing free, or routers of a kind kernmap.train.routing does not know), None without."""
+    if not any(hasattr(m, "top_k") and "Router" in type(m).__name__ for m in session.models.base.modules()):
+        return None
+    return "replay" if session.args.routing == "replay" and routers(session.models.base) else "free"
+
+
+def noise_alone_layers(session: Session, routing: str | None) -> list[str]:
+    """The selected layers that get a noise run of their own: with free routing in a model that routes tokens to
+    experts, each (when more than one is selected) — a router's near-tie flips under one rounding and not
+    another, so the one run of all of them samples that drift once and can miss it (docs/training.md, "The
+    verdict"). Replayed routing needs none."""
     present = layers_of(session.models.base, session.parallel.device)
     selected = [layer for layer in present if layer in session.layers]
-    return selected if "Experts" in present and len(selected) > 1 else []
+    return selected if routing != "replay" and "Experts" in present and len(selected) > 1 else []
 
 
 def align(session: Session) -> AlignResult:
     args = session.args
+    routing = routing_of(session)
     runs = [Run("original", Setup()), Run("noise", Setup(session.layers, float64=True))]
-    runs += [Run(ALONE + layer, Setup(frozenset({layer}), float64=True)) for layer in noise_alone_layers(session)]
+    runs += [Run(ALONE + layer, Setup(frozenset({layer}), float64=True))
+             for layer in noise_alone_layers(session, routing)]
     runs += [Run("kernelized", Setup(session.layers))]
     if args.compile:
         runs += [Run("original+compile", Setup(compile=True)),
                  Run("kernelized+compile", Setup(session.layers, compile=True))]
+    # The compiled runs route freely (a hook's bookkeeping would break torch.compile's graphs).
+    tape = RoutingTape() if routing == "replay" else None
     reports = {}
     progress = progress_bar("align", session.parallel.main and not args.json)
     total = len(runs) * args.steps
     for run in runs:
         model, reports[run.name] = session.models.make(run.setup)
+        replaying = tape is not None and run.name in ("noise", "kernelized")
+        if tape is not None and (replaying or run.name == "original"):
+            if replaying:
+                tape.replay()
+            else:
+                tape.record()
+            hooks = tape.attach(model)
+        else:
+            hooks = []
         trainer = Trainer(model, session.data, session.options, session.parallel, session.models.pad_id)
         for _ in range(args.steps):
             run.logs.append(trainer.step())
+            if replaying:
+                run.flips.append(tape.take_flips())
             if progress:
                 progress(sum(len(r.logs) for r in runs), total)
-        del trainer, model
+        for h in hooks:
+            h.remove()
+        del trainer, model, hooks
     by_name = {r.name: r for r in runs}
     original = by_name["original"].series()
     noise = [r.series() for r in runs if r.name == "noise" or r.name.startswith(ALONE)]
     verdicts = {r.name: judge(original, r.series(), noise, args.rtol) for r in runs
                 if r.name != "original" and r.name != "noise" and not r.name.startswith(ALONE)}
-    return AlignResult(by_name, verdicts, reports["kernelized"], reports["noise"])
+    return AlignResult(by_name, verdicts, reports["kernelized"], reports["noise"], routing)
+
+
+def routing_json(result: AlignResult) -> dict | None:
+    """The C++ command's "routing" document."""
+    if result.routing != "replay":
+        return None if result.routing is None else {"mode": "free"}
+    noise = Flips()
+    for f in result.runs["noise"].flips:
+        noise.add(f)
+    return {"mode": "replay", "kernelized": [f.to_dict() for f in result.runs["kernelized"].flips],
+            "noise": noise.to_dict()}
+
+
+def routing_line(result: AlignResult) -> str:
+    """The C++ command's "routing flips" line."""
+    total, noise, steps = Flips(), Flips(), []
+    for i, f in enumerate(result.runs["kernelized"].flips):
+        total.add(f)
+        if f.flipped:
+            steps.append(str(i + 1))
+    for f in result.runs["noise"].flips:
+        noise.add(f)
+
+    def count(f: Flips) -> str:
+        return f"{f.flipped} of {f.tokens} routed tokens"
+
+    where = (f" ({'steps' if len(steps) > 1 else 'step'} {', '.join(steps)}; largest margin {sci(total.max_margin)})"
+             if total.flipped else "")
+    noise_margin = f" (largest margin {sci(noise.max_margin)})" if noise.flipped else ""
+    return (f"routing flips: the kernelized run's own routers would have sent {count(total)} to other experts{where}; "
+            f"the noise run's {count(noise)}{noise_margin}")
 
 
 def kernels_json(report) -> dict:
@@ -103,7 +167,7 @@ def to_json(session: Session, result: AlignResult) -> dict:
            "lora": None if session.models.lora is None else vars(session.models.lora),
            "gradient_checkpointing": session.models.gradient_checkpointing,
            "experts_implementation": session.models.default_experts,
-           "verdict": main.to_dict(), "noise_alone": {}, "compile": {}}
+           "verdict": main.to_dict(), "noise_alone": {}, "compile": {}, "routing": routing_json(result)}
     for name, run in result.runs.items():
         steps = [s.to_dict() for s in run.logs]
         if name.startswith(ALONE):
@@ -151,12 +215,18 @@ def verdict_line(verdict: Verdict) -> str:
 def print_human(session: Session, result: AlignResult) -> None:
     args = session.args
     experts = session.models.default_experts
+    replayed = result.routing == "replay"
     session.say(f"align {session.describe()}, {args.steps} steps, kernels: {bound_kernels(result.report)}\n"
                 f"original: the model as transformers runs it{f' (experts {experts})' if experts else ''}; "
-                f"noise floor: {NOISE_RUN}\n")
+                f"noise floor: {NOISE_RUN_REPLAYED if replayed else NOISE_RUN}\n")
+    if replayed:
+        session.say("routing: the noise and kernelized runs send every token to the experts the original chose "
+                    f"(--routing replay{'; the compiled runs route freely' if args.compile else ''})\n")
     original = result.runs["original"].logs
     for name, verdict in result.verdicts.items():
         session.say("\n" + step_table(original, result.runs[name].logs, name, verdict) + "\n")
+        if replayed and name == "kernelized":
+            session.say(routing_line(result) + "\n\n")
         session.say((f"{name}: " if len(result.verdicts) > 1 else "") + verdict_line(verdict) + "\n")
 
 

@@ -95,6 +95,10 @@ def parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     if command == "align":
         p.add_argument("--rtol", type=real(positive=True), help="1e-5 for float32, 2e-2 for bfloat16")
+        p.add_argument("--routing", choices=("replay", "free"), default="replay",
+                       help="a model with experts: the noise and kernelized runs send each token to the experts the "
+                            "original chose (replay, counting the tokens their own routers would send elsewhere) or "
+                            "route by their own top-k (free)")
     else:
         p.add_argument("--warmup", type=integer(0, MAX_STEPS), default=3)
         p.add_argument("--experts-baseline", type=experts_list, default=[],
