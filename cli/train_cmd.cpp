@@ -313,9 +313,7 @@ std::string routing_lines(const train::AlignResult& res) {
   std::string at;
   for (size_t i = 0; i < res.routing.size(); ++i) {
     const RoutingTape::Flips& f = res.routing[i];
-    all.tokens += f.tokens;
-    all.flipped += f.flipped;
-    all.max_margin = std::max(all.max_margin, f.max_margin);
+    all.add(f);
     if (f.flipped > 0) at += (at.empty() ? "" : ", ") + std::to_string(i + 1);
   }
   auto count = [](const RoutingTape::Flips& f) {
@@ -336,13 +334,7 @@ std::string routing_lines(const train::AlignResult& res) {
 int align_command(const RunArgs& r) {
   const train::LayerSet layers = kernel_layers(r);
   const auto factory = model_factory(r);
-  ModelConfig config;
-  bool routes = false;
-  {
-    const auto probe = factory();  // freed before the runs
-    config = probe->config();
-    routes = probe->routes_tokens();
-  }
+  const ModelConfig config = factory()->config();
   const train::Dataset data = load_data(r, config.vocab_size);
   const train::AlignResult res = train::align(
       factory, data, r.options, layers, r.steps, *r.rtol, r.json ? train::Progress{} : progress_bar("align"),
@@ -371,7 +363,7 @@ int align_command(const RunArgs& r) {
                 {"noise", steps_json(res.noise)},
                 {"noise_alone", noise_alone},
                 {"kernelized", steps_json(res.kernelized)},
-                {"routing", routes ? routing_json(res) : Json()}});
+                {"routing", res.routes_tokens ? routing_json(res) : Json()}});
     return res.passed ? 0 : 1;
   }
   std::printf("align %s, %lld steps, kernels: ", describe(r, config, data).c_str(),

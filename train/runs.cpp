@@ -66,16 +66,15 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
   for (const std::string& layer : layers)
     if (const KernelDescriptor* k = float64_kernel(layer)) noise_kernels[layer] = k->name;
   std::vector<std::string> present;
-  bool routes = false;
   {
     const std::shared_ptr<CausalLM> probe = make_model();  // freed before the runs
     present = layers_of(*probe);
-    routes = probe->routes_tokens();
+    result.routes_tokens = probe->routes_tokens();
   }
   // A model that routes tokens: the runs after the original replay its routing, or (free routing) one more
   // noise run per selected layer it has, that layer alone on its float64 kernel.
   const std::shared_ptr<RoutingTape> tape =
-      routing == Routing::kReplay && routes ? std::make_shared<RoutingTape>() : nullptr;
+      routing == Routing::kReplay && result.routes_tokens ? std::make_shared<RoutingTape>() : nullptr;
   result.routing_replayed = tape != nullptr;
   std::vector<std::string> alone;
   for (const std::string& layer : present)
@@ -109,12 +108,7 @@ AlignResult align(const std::function<std::shared_ptr<CausalLM>()>& make_model, 
   std::vector<RoutingTape::Flips> noise_flips;
   result.noise_report =
       run([&](CausalLM& m) { return bind_kernels(m, {}, noise_kernels); }, result.noise, &noise_flips);
-  for (const RoutingTape::Flips& f : noise_flips) {
-    result.noise_routing.calls += f.calls;
-    result.noise_routing.tokens += f.tokens;
-    result.noise_routing.flipped += f.flipped;
-    result.noise_routing.max_margin = std::max(result.noise_routing.max_margin, f.max_margin);
-  }
+  for (const RoutingTape::Flips& f : noise_flips) result.noise_routing.add(f);
   for (const std::string& layer : alone) {
     const Baseline one{{layer, noise_kernels.at(layer)}};
     run([&](CausalLM& m) { return bind_kernels(m, {}, one); }, result.noise_alone[layer]);

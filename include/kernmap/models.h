@@ -97,6 +97,13 @@ class KERNMAP_API RoutingTape {
     int64_t tokens = 0;     ///< tokens routed
     int64_t flipped = 0;    ///< tokens whose own top-k experts differ from the recorded ones
     double max_margin = 0;  ///< the largest margin among them (0 when none flipped)
+    /// Adds another span's counts (the larger margin).
+    void add(const Flips& other) {
+      calls += other.calls;
+      tokens += other.tokens;
+      flipped += other.flipped;
+      if (other.max_margin > max_margin) max_margin = other.max_margin;
+    }
   };
   /// Clears the tape and records from now on.
   void record();

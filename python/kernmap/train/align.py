@@ -120,22 +120,15 @@ def routing_json(result: AlignResult) -> dict | None:
     """The C++ command's "routing" document."""
     if result.routing != "replay":
         return None if result.routing is None else {"mode": "free"}
-    noise = Flips()
-    for f in result.runs["noise"].flips:
-        noise.add(f)
     return {"mode": "replay", "kernelized": [f.to_dict() for f in result.runs["kernelized"].flips],
-            "noise": noise.to_dict()}
+            "noise": Flips.total(result.runs["noise"].flips).to_dict()}
 
 
 def routing_line(result: AlignResult) -> str:
     """The C++ command's "routing flips" line."""
-    total, noise, steps = Flips(), Flips(), []
-    for i, f in enumerate(result.runs["kernelized"].flips):
-        total.add(f)
-        if f.flipped:
-            steps.append(str(i + 1))
-    for f in result.runs["noise"].flips:
-        noise.add(f)
+    kernelized = result.runs["kernelized"].flips
+    total, noise = Flips.total(kernelized), Flips.total(result.runs["noise"].flips)
+    steps = [str(i + 1) for i, f in enumerate(kernelized) if f.flipped]
 
     def count(f: Flips) -> str:
         return f"{f.flipped} of {f.tokens} routed tokens"

@@ -44,6 +44,13 @@ class Flips:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @staticmethod
+    def total(spans: list[Flips]) -> Flips:
+        out = Flips()
+        for f in spans:
+            out.add(f)
+        return out
+
 
 class RoutingTape:
     """Records the routers' choices of one run and replays them in others (see the module's docstring)."""
