@@ -311,15 +311,16 @@ Json routing_json(const train::AlignResult& res) {
 std::string routing_lines(const train::AlignResult& res) {
   RoutingTape::Flips all;
   std::string at;
+  int steps_flipped = 0;
   for (size_t i = 0; i < res.routing.size(); ++i) {
     const RoutingTape::Flips& f = res.routing[i];
     all.add(f);
-    if (f.flipped > 0) at += (at.empty() ? "" : ", ") + std::to_string(i + 1);
+    if (f.flipped > 0) at += (steps_flipped++ ? ", " : "") + std::to_string(i + 1);
   }
   auto count = [](const RoutingTape::Flips& f) {
     return std::to_string(f.flipped) + " of " + std::to_string(f.tokens) + " routed tokens";
   };
-  const bool several = at.find(',') != std::string::npos;
+  const bool several = steps_flipped > 1;
   return "routing flips: the kernelized run's own routers would have sent " + count(all) +
          " to other experts" +
          (all.flipped > 0 ? std::string(several ? " (steps " : " (step ") + at + "; largest margin " +

@@ -101,14 +101,15 @@ class RoutingTape:
             self.next[index] = n + 1
             self.flips.calls += 1
             self.flips.tokens += ids.shape[0]
+            if torch.equal(ids.to(recorded.dtype), recorded):
+                return None  # the router's own outputs: a free run's arithmetic
+            replayed = recorded.long()
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             with torch.no_grad():
-                if torch.equal(ids.to(recorded.dtype), recorded):
-                    return None  # the router's own outputs: a free run's arithmetic
-                replayed = recorded.long()
                 flipped = (ids.sort(-1).values != replayed.sort(-1).values).any(-1)
                 count = int(flipped.sum())
                 if count:
-                    p = torch.softmax(logits.detach().float(), dim=-1)
+                    p = probs.detach()
                     kth = p.gather(-1, ids).amin(-1)
                     least = p.gather(-1, replayed).amin(-1)
                     margin = torch.where(kth > 0, (kth - least) / kth, torch.zeros_like(kth))
@@ -116,7 +117,6 @@ class RoutingTape:
                     self.flips.flipped += count
                     if worst > self.flips.max_margin:  # a NaN margin (non-finite probabilities) is left out
                         self.flips.max_margin = worst
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             top = probs.gather(-1, replayed)
             if getattr(module, "norm_topk_prob", True):
                 top = top / top.sum(dim=-1, keepdim=True)
