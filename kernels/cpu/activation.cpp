@@ -7,6 +7,23 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
+// SiLU for a result rounded to T: bf16's by silu_bf16_of (vec.h: a shorter exp at the AVX-512 levels, the
+// same bf16 bits for every input), other types' by silu_of.
+template <class T, class V>
+inline V silu_rounded_to(V x) {
+  if constexpr (std::is_same_v<T, BFloat16>)
+    return silu_bf16_of(x);
+  else
+    return silu_of(x);
+}
+template <class T, class A>
+inline A silu_scalar_rounded_to(A x) {
+  if constexpr (std::is_same_v<T, BFloat16>)
+    return silu_bf16_scalar(x);
+  else
+    return silu_scalar(x);
+}
+
 // Scalar math: y = round(x / (1 + exp(-x)))
 template <bool Stream, class T>
 void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) {
@@ -32,15 +49,15 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
     int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
       VF v[2];
       load_bf16_pair(xr + p, v[0], v[1]);
-      store_bf16_pair<Stream>(yr + p, silu_of(v[0]), silu_of(v[1]));
+      store_bf16_pair<Stream>(yr + p, silu_rounded_to<T>(v[0]), silu_rounded_to<T>(v[1]));
     });
     for (; i < nb; i += kBlock) {
       auto v = load<A>(xr + i);
-      store_out<Stream>(yr + i, silu_of(v));
+      store_out<Stream>(yr + i, silu_rounded_to<T>(v));
     }
     for (int64_t i = nb; i < n; ++i) {
       A v = to_acc<A>(xr[i]);
-      yr[i] = from_acc<T>(silu_scalar(v));
+      yr[i] = from_acc<T>(silu_scalar_rounded_to<T>(v));
     }
   }
 }
@@ -136,16 +153,16 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
       VF a[2], b[2];
       load_bf16_pair(gr + p, a[0], a[1]);
       load_bf16_pair(ur + p, b[0], b[1]);
-      store_bf16_pair<Stream>(yr + p, round_block_arith<T>(silu_of(a[0])) * b[0],
-                              round_block_arith<T>(silu_of(a[1])) * b[1]);
+      store_bf16_pair<Stream>(yr + p, round_block_arith<T>(silu_rounded_to<T>(a[0])) * b[0],
+                              round_block_arith<T>(silu_rounded_to<T>(a[1])) * b[1]);
     });
     for (; i < nb; i += kBlock) {
       auto a = load<A>(gr + i);
-      store_out<Stream>(yr + i, round_block_arith<T>(silu_of(a)) * load<A>(ur + i));
+      store_out<Stream>(yr + i, round_block_arith<T>(silu_rounded_to<T>(a)) * load<A>(ur + i));
     }
     for (int64_t i = nb; i < n; ++i) {
       A a = to_acc<A>(gr[i]);
-      yr[i] = from_acc<T>(round_to<T>(silu_scalar(a)) * to_acc<A>(ur[i]));
+      yr[i] = from_acc<T>(round_to<T>(silu_scalar_rounded_to<T>(a)) * to_acc<A>(ur[i]));
     }
   }
 }

@@ -617,6 +617,53 @@ inline double silu_scalar(double x) {
   return x / (1.0 + std::exp(-x));
 }
 
+#if defined(__AVX512F__)
+/// 2^(j/32) for j = 0..31, rounded to float: one_plus_exp_neg_bf16's table.
+alignas(64) inline constexpr float kExp2Of32ths[32] = {
+    0x1p+0f,        0x1.059b0ep+0f, 0x1.0b5586p+0f, 0x1.11301ep+0f, 0x1.172b84p+0f, 0x1.1d4874p+0f,
+    0x1.2387a6p+0f, 0x1.29e9ep+0f,  0x1.306fep+0f,  0x1.371a74p+0f, 0x1.3dea64p+0f, 0x1.44e086p+0f,
+    0x1.4bfdaep+0f, 0x1.5342b6p+0f, 0x1.5ab07ep+0f, 0x1.6247ecp+0f, 0x1.6a09e6p+0f, 0x1.71f75ep+0f,
+    0x1.7a1148p+0f, 0x1.82589ap+0f, 0x1.8ace54p+0f, 0x1.93737cp+0f, 0x1.9c4918p+0f, 0x1.a5503cp+0f,
+    0x1.ae89fap+0f, 0x1.b7f77p+0f,  0x1.c199bep+0f, 0x1.cb720ep+0f, 0x1.d5818ep+0f, 0x1.dfc974p+0f,
+    0x1.ea4afap+0f, 0x1.f50766p+0f};
+
+/// 1 + e^-x for SiLU results rounded to bf16, at the AVX-512 levels: six multiplies and multiply-adds
+/// instead of one_plus_exp_neg's nine, on the pipes that bound the bf16 SiLU rows there (docs/performance.md,
+/// "SiLU's exp"). -x = (n / 32) ln2 + r with |r| <= ln2/64; 2^(n/32) = 2^floor(n/32) 2^((n mod 32)/32), the
+/// second factor read from kExp2Of32ths by one permute indexed by the low five bits of t = 1.5 * 2^23 + n,
+/// the first applied by scalef (which floors its exponent); e^r = 1 + c1 r + c2 r^2, minimax in relative
+/// error on |r| <= ln2/64 (5.3e-8); ln2/32 in one float (the reduction's error n x 6e-11, at most 2.4e-7
+/// where e^-x is finite). SiLU's float32 relative error 4.0e-7 against one_plus_exp_neg's 3.0e-7, so float32
+/// rows keep that one; rounded to bf16, the two give the same bits for every one of the 65536 bf16 inputs
+/// (the kernel table's bf16_silu_every_gate checks it at every level). Edge values as one_plus_exp_neg's: x
+/// clamped to +-104 first (no infinity reaches the reduction), +inf where e^-x passes FLT_MAX (scalef
+/// overflows), a NaN x a NaN or a finite value.
+inline VF one_plus_exp_neg_bf16(VF x) {
+  x = _mm512_range_ps(x, _mm512_set1_ps(104.0f), 0x02);
+  const VF t = madd(x, VF{} - 0x1.715476p+5f, VF{} + 12582912.0f);  // 1.5 * 2^23 + round(-32 x log2e)
+  const VF n = t - 12582912.0f;
+  const VF s = madd(n, VF{} + 0x1.62e43p-6f, x);  // s = -r
+  const VF scale =
+      _mm512_permutex2var_ps(_mm512_load_ps(kExp2Of32ths), (__m512i)t, _mm512_load_ps(kExp2Of32ths + 16));
+  const VF q = s * madd(VF{} + 0x1.000024p-1f, s, VF{} - 0x1.0000f6p+0f);  // e^r - 1 in s = -r
+  return 1 + _mm512_scalef_ps(madd(scale, q, scale), n * (1.0f / 32));
+}
+#endif
+
+/// silu(x) for a result rounded to bf16: with one_plus_exp_neg_bf16 at the AVX-512 levels, silu_of below
+/// (whose bf16 rows read tables built by silu_of: silu_tables.h). The scalar form is a block's first lane,
+/// so that a row's tail has its blocks' bits.
+inline VF silu_bf16_of(VF x) {
+#if defined(__AVX512F__)
+  return x / one_plus_exp_neg_bf16(x);
+#else
+  return silu_of(x);
+#endif
+}
+inline float silu_bf16_scalar(float x) {
+  return silu_bf16_of(VF{} + x)[0];
+}
+
 /// sigmoid(x) = 1 / (1 + e^-x), for blocks and scalars.
 template <class V>
 inline V sigmoid(V x) {

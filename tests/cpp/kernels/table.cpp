@@ -233,12 +233,7 @@ const std::vector<Row>& kernel_table() {
        .shapes = grid({{"n", {256, 1031}}}),
        .layouts = {""},
        .check = bf16_silu_is_its_float_math_rounded,
-       .dtypes = kNoDtype,
-       // Below the bf16 levels the bf16 rows read the tables (silu_tables.h) or compute SiLU in float32's
-       // own math (avx512); at the bf16 levels the rounding instruction flushes subnormal results and each
-       // instantiation's multiply-adds are fused as GCC decides for it (vec.h, madd), checked by
-       // silu_eager_roundings instead.
-       .skip = [](const Case& c) { return c.level >= kernmap::cpu::Level::kAvx512Bf16; }},
+       .dtypes = kNoDtype},
       {.op = "empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = empty_inputs},
       // ---- the residual add fused with RMSNorm: against its reference, then properties ----
       {.op = "add_rms_norm",
