@@ -108,10 +108,9 @@ std::optional<int64_t> env_count(const char* name, const char* what) {
 }
 
 // Fewest rows of a chunk with gradients: the chunk's rows are the reduction of the weight gradient's product
-// (z^T h_c) and the rows of the other two, and BLAS runs short ones well below its dense rate (MKL on Zen 3,
-// 2 threads, one run: [256, 896] x [896, 151936] 106 GFLOP/s, 512 rows 133, 2048-cubed 163), while each chunk
-// also streams the weight twice and its gradient in and out. 512 rows against 256: fp32 fwd+bwd at N2048 H896
-// V151936 4-14 % faster on Zen 3 and 7 % on an AVX-512 Xeon, for 155 MB more buffer (docs/ops.md).
+// (z^T h_c) and the rows of the other two, and BLAS runs short ones well below its dense rate, while each
+// chunk also streams the weight twice and its gradient in and out. 512 rows ran faster than 256 on the two
+// CPU kinds measured, for 155 MB more buffer at V 151936 (docs/ops.md, "Fused linear cross-entropy").
 constexpr int64_t kMinChunkRows = 512;
 
 // Rows per chunk with gradients (docs/ops.md, "Fused linear cross-entropy"): as many as the last-level cache

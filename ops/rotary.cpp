@@ -74,9 +74,8 @@ Tensor with_contiguous_rows(const Tensor& t) {
 // size > 1 sorted by x's strides, outermost first, and neighbours merged where every tensor's strides allow.
 // The forward's y has x's layout; the backward's y is contiguous while its incoming gradient may come in
 // q_embed's layout (the heads of a position side by side; torch's CPU SDPA hands it over contiguous, other
-// attention backwards need not): walked in y's order, that gradient's rows were
-// read 7 KiB apart, 1.50-1.61 ns an element from memory on one thread against 0.39-0.40 in its own order
-// (bf16, [1, 28, 4096, 128], zen3-vm; docs/performance.md, "Rotary walk order"). Each row's math is the same
+// attention backwards need not): walked in y's order, that gradient's rows were read 7 KiB apart, about four
+// times slower than in its own order (docs/performance.md, "Rotary walk order"). Each row's math is the same
 // in any order. Holds the converted inputs the pointers refer to.
 struct Walk {
   cpu::RotaryRows rows;

@@ -890,19 +890,13 @@ void amx_gemm(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BF
 
 }  // namespace
 
-// avx2, fp32 (the lanes form, 16 rows a pass): 256. zen3-vm, 2 threads, grouped forward of gate_up (K 2048, N
-// 1536 or 2816), gemm_nt for every group against BLAS from 64 rows, old and new alternated, median ms: 41-86
-// rows a group 287-293 against 323-341, 42-83 324-345 against 350-360, 101-159 628-634 against 629-642
-// (down_proj, K 768 N 2048: 306 against 328-330), 209-286 299-313 and 149-152 against 299-309 and 149-151,
-// 475-545 153-156 against 143-145, 954-1063 344-359 against 286-299 (docs/performance.md, "Grouped products:
-// tasks and routing"). The AVX-512 levels' fp32 (the quads form) the same: on Zen 4 (dev-vm, avx512, 2
-// threads) gemm_nt ran 204-212 GFLOP/s at every group size from 64 to 1024 rows against MKL's 149-199, and
-// the bench's routing at 42-83 / 101-159 rows a group took 250-252 / 489-504 ms against 287-292 / 570-580;
-// larger groups stay on BLAS, whose AVX-512 kernels on Intel cores (unmeasured against the quads form) run
-// at half again Zen 4's rate. bf16 at avx512bf16 (the bf16 pairs against oneDNN's bf16 product): 128; on Zen
-// 4, 2 threads, equal groups, GFLOP/s gemm_nt against oneDNN: 64 rows 390-421 against 368-371, 96 405-408
-// against 379-383, 128 418-420 against 409-412, 192 397-404 against 421 (amx, on the tiles both ways, keeps
-// 64: unmeasured). Elsewhere 64 (baseline; bf16 measured on an AVX512-BF16 core, 2026-11-29).
+// avx2, fp32 (the lanes form, 16 rows a pass): 256 — gemm_nt for every smaller group ran ahead of BLAS or
+// level with it, and only groups of about 500 rows and more ran faster on BLAS. The AVX-512 levels' fp32 (the
+// quads form) the same: gemm_nt near the dense rate at every group size up to 1024 rows, larger groups on
+// BLAS, whose AVX-512 kernels on Intel cores (unmeasured against the quads form) run faster than on the core
+// this was measured on. bf16 at avx512bf16 (the bf16 pairs against oneDNN's bf16 product): 128, where the two
+// cross (amx, on the tiles both ways, keeps 64: unmeasured). Elsewhere 64 (baseline; bf16 measured on an
+// AVX512-BF16 core). The figures: docs/performance.md, "Grouped products: tasks and routing".
 int64_t gemm_nt_blas_rows(DType dtype) {
 #if defined(__AVX2__)
   if (dtype == DType::kFloat32) return 256;

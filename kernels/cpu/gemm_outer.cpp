@@ -27,9 +27,9 @@ constexpr int kBcastVecs = 2;
 #endif
 // The register block of outer_blocks' row-order path (fp32 weight gradients with C streamed): two or more
 // adjacent cache lines of each of its rows of C. avx2's 6 x 2 writes one line to each of six rows a block,
-// and there (zen3-vm) the streamed stores did not overlap the multiply-adds: gemm_bcast at 16 steps, 2
-// threads, 1.6 GB of C in rows of 768 / 1536 / 2560 fp32, 137 / 184 / 150 ms with 6 x 2 against 91 / 97 / 93
-// with 3 x 4 (docs/performance.md, "gemm_bcast reduction blocks"). AVX-512's 4 x 4 writes four lines a row.
+// and its streamed stores did not overlap the multiply-adds where two lines a row did (docs/performance.md,
+// "gemm_bcast reduction blocks", "The row order's register blocks write two cache lines of each row").
+// AVX-512's 4 x 4 writes four lines a row.
 #if defined(__AVX512F__)
 constexpr int kStreamRows = kBcastRows;
 constexpr int kStreamVecs = kBcastVecs;
@@ -49,10 +49,9 @@ constexpr bool kWidenBf16A = false;
 // Whether bf16 with A widened to fp32 (avx2: no dot-product instruction, no AVX-512) takes the row order for
 // its long reductions too, each column range of B widened to fp32 in its copy: the same products in the same
 // order as its blocked reductions, so the same bits. Its register blocks write 32 bf16, one whole line of
-// each row, so C is streamed there as fp32's is (gemm_bcast). Blocked in 16-row tasks, gate_up's weight
-// gradient at 42-83 / 101-159 rows a group took 491-539 / 929-1010 ms, in the row order 405-411 / 695-759
-// (fp32: 329-352 / 615-673; zen3-vm, 2 threads; docs/performance.md, "gemm_bcast reduction blocks", "bf16
-// in the row order"). The AVX-512 levels keep theirs: unmeasured.
+// each row, so C is streamed there as fp32's is (gemm_bcast). Faster than the blocked 16-row tasks at every
+// group length measured (docs/performance.md, "gemm_bcast reduction blocks", "bf16 in the row order"). The
+// AVX-512 levels keep theirs: unmeasured.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool kBf16RowsOuter = true;
 #else
@@ -64,22 +63,18 @@ static_assert(!kBf16RowsOuter || kWidenBf16A);
 template <class T>
 inline constexpr bool kBcastWholeLines = kBcastVecs* kBlock * sizeof(T) % 64 == 0;
 // Whether blocked reductions (step_p < P) also copy each panel read by 8 or more row blocks (outer_blocks'
-// pack_panel): grad @ W of groups of 48 rows or more at avx2 (zen3-vm, fp32, 2 threads, E128 H2048 N1536):
-// 42-83 rows a group 440-450 -> 376-378 ms, 101-159 rows 865-929 -> 725-763; bf16 at 42-83 rows 415-417 ->
-// 356-387; baseline fp32 1079-1226 -> 1042-1074 (docs/performance.md, "gemm_bcast reduction blocks", "Long
-// reductions' panels copied"). The AVX-512 levels' panels (256 bytes wide) keep reading B in place: copied,
-// grad @ W at 42-83 / 101-159 rows a group ran 4 % slower on Zen 4 (avx512, fp32, 2 threads: 276-280 ->
-// 289-293 / 532-540 -> 553-561 ms).
+// pack_panel): below AVX-512 a panel is one line of each of B's rows, rows that share the level-1 cache's
+// sets, so the row blocks after the first read it from L2 and the copy from L1 (faster for grad @ W of groups
+// of 48 rows or more); the AVX-512 levels' panels (256 bytes wide) keep reading B in place, where the copy
+// ran slower (docs/performance.md, "gemm_bcast reduction blocks", "Long reductions' panels copied").
 #if defined(__AVX512F__)
 constexpr bool kPackLongPanels = false;
 #else
 constexpr bool kPackLongPanels = true;
 #endif
 // The row order's column ranges are at least this many columns: its reduction blocks are as long as that
-// leaves within short_reduction_bytes (512 steps on a 512 KiB L2). zen3-vm, avx2, 2 threads, gate_up's weight
-// gradient at 954-1063 / 1913-2110 rows a group (E8 k2): 64 columns 313-323 / 684-694 ms, 128 311-323 /
-// 674-689, 256 327-330 / 663-690 (docs/performance.md, "gemm_bcast reduction blocks", "Long reductions in the
-// row order").
+// leaves within short_reduction_bytes (512 steps on a 512 KiB L2); 64 and 256 were no faster for long groups
+// (docs/performance.md, "gemm_bcast reduction blocks", "Long reductions in the row order").
 constexpr int64_t kRowOrderMinCols = 128;
 // The row-order path's last panel is one of kBcastVecs where Nw leaves part of a kStreamVecs one.
 static_assert(kStreamVecs == kBcastVecs || kStreamVecs == 2 * kBcastVecs);
@@ -90,13 +85,9 @@ static_assert(kStreamVecs == kBcastVecs || kStreamVecs == 2 * kBcastVecs);
 // the partial sums); below AVX-512 the whole of L2 up to 128 steps, nothing fetched (kFetchNextBlock): there
 // the panels are one cache line of a row wide (avx2; half a line at baseline, against AVX-512's four), the
 // hardware's prefetchers follow them, and the fetched block (half of L2 at 64 steps of 8 KiB rows, the
-// 6144-FMA minimum below) evicted lines of the current one still to be read. Zen 4 (1 MiB L2), grad @ W of
-// 16-row groups (H 2048, N 1536, fp32, one thread), GFLOP/s: avx2 64 steps fetched 63-66, not fetched 68-70;
-// 128 steps (all of L2) not fetched 77-79, fetched 66-68; 256 not fetched 71-75; down_proj's grad @ W (rows
-// of 768) 78-82 -> 84-86; avx512 32 steps fetched 78, 128 not fetched 58, fetched 56; baseline 128 fetched
-// 29.3, not fetched 30.6. The experts' backward ran 1-2 % slower with 256 steps of down_proj's rows than
-// with 128 (docs/performance.md, "gemm_bcast reduction blocks", "Whole-L2 blocks below AVX-512"). The step
-// count is a multiple of 8 (even: the paired bf16 steps never straddle two blocks); the block size only
+// 6144-FMA minimum below) evicted lines of the current one still to be read; past 128 steps the blocks ran
+// slower again (docs/performance.md, "gemm_bcast reduction blocks", "Whole-L2 blocks below AVX-512"). The
+// step count is a multiple of 8 (even: the paired bf16 steps never straddle two blocks); the block size only
 // changes where partial sums are parked, not the order of any sum.
 #if defined(__AVX512F__)
 constexpr int64_t kBlockL2Quarters = 1;
@@ -110,9 +101,9 @@ constexpr int64_t kMaxBlockSteps = 128;
 
 // Fewest steps of a reduction block: a register block's fixed cost per block (its call, its MR x NV partial
 // sums loaded and parked) spread over at least 6144 multiply-adds, 24 steps at AVX-512 (4 x 4 x 16 a step),
-// 64 at AVX2 (6 x 2 x 8), 128 at baseline (6 x 2 x 4). The L2 rule alone gave 16 steps of 8 KiB rows on a
-// 512 KiB L2 (Zen 3), where 64 ran grad @ W 18-22 % faster at avx2 and 128 faster at baseline; on a 1 MiB L2
-// it gives 32 at AVX-512 (docs/performance.md, "gemm_bcast reduction blocks").
+// 64 at AVX2 (6 x 2 x 8), 128 at baseline (6 x 2 x 4). The L2 rule alone gives 16 steps of 8 KiB rows on a
+// 512 KiB L2, too few for the blocks' fixed cost; on a 1 MiB L2 it gives 32 at AVX-512 (docs/performance.md,
+// "gemm_bcast reduction blocks", "At least 6144 multiply-adds a register block per reduction block").
 constexpr int64_t kMinBlockSteps = (6144 / (kBcastRows * kBcastVecs * kBlock) + 7) / 8 * 8;
 static_assert(kMinBlockSteps <= kMaxBlockSteps);
 
@@ -812,21 +803,18 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // B's full-width rows within short_reduction_bytes (half of L2; kernels/cpu/cache.h): all of B's panels
   // copied once, each contiguous, then row blocks outer and panels inner, in one pass whatever step_p, so C
   // is written along its rows, a row block's lines one after another, by kStreamRows x kStreamVecs blocks.
-  // Panels outer streamed each panel's column of C down its rows, every line on another DRAM page: 1.6 GB
-  // written in that order ran at 13.5 GB/s against 21.9 along the rows (zen3-vm), and the weight gradient of
-  // gate_up at 16 rows a group took 181-190 against 161-175 ms. Reading B in place also made every load share
-  // its address's low 12 bits with a streamed store where B's and C's rows are both 4 KiB-aligned (two
-  // buffers of the large-block cache, as in the experts' backward): the loads waited on the stores, 280-290
-  // against 157-175 ms; the copy has no such phase. Streamed fp32 (and bf16's long reductions at avx2,
-  // kBf16RowsOuter) only: with plain stores (baseline) the panels-outer order, its panel in L1, ran 4 %
-  // faster, and the other types' blocks, inlined once more, compiled slower (bf16 at avx2 106-110 -> 172-188
-  // ms with the order unchanged; docs/performance.md, "gemm_bcast reduction blocks"). Longer reductions take
-  // the same order (their tasks: gemm_bcast_task_rows below), column range by column range, each range's rows
-  // of B within short_reduction_bytes, and in reduction blocks where kRowOrderMinCols columns of all of P
-  // would not fit: blocked in 16-row tasks (their partial sums parked) gate_up's weight gradient at 42-83 /
-  // 101-159 / 215-288 / 444-561 rows a group took 512 / 1059 / 1949 / 3636 ms, in the row order 327 / 661 /
-  // 1249 / 2491 (zen3-vm, avx2, 2 threads; compute floors 282 / 563 / 1127 / 2253); at 954-1063 / 1913-2110
-  // rows (E8 k2) 448-500 / 959-1197 -> 311-323 / 674-689 (floors 282 / 563).
+  // Panels outer streamed each panel's column of C down its rows, every line on another DRAM page, which ran
+  // far slower than along the rows. Reading B in place also made every load share its address's low 12 bits
+  // with a streamed store where B's and C's rows are both 4 KiB-aligned (two buffers of the large-block
+  // cache, as in the experts' backward), and the loads waited on the stores; the copy has no such phase.
+  // Streamed fp32 (and bf16's long reductions at avx2, kBf16RowsOuter) only: with plain stores (baseline) the
+  // panels-outer order, its panel in L1, ran faster, and the other types' blocks, inlined once more, compiled
+  // slower (docs/performance.md, "gemm_bcast reduction blocks", "Streamed fp32 short reductions: row blocks
+  // outer, panels inner"). Longer reductions take the same order (their tasks: gemm_bcast_task_rows below),
+  // column range by column range, each range's rows of B within short_reduction_bytes, and in reduction
+  // blocks where kRowOrderMinCols columns of all of P would not fit: faster than 16-row tasks parking their
+  // partial sums at every group length measured (docs/performance.md, "gemm_bcast reduction blocks", "Long
+  // reductions in the row order").
   constexpr bool kRowsOuter =
       Stream && (std::is_same_v<T, float> ||
                  (kBf16RowsOuter && std::is_same_v<T, BFloat16> && std::is_same_v<TA, float>));
@@ -834,8 +822,8 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   bool rows_outer = false;
   if constexpr (kRowsOuter) {
     rows_outer = P > 0 && Nw > 0 && row_blocks_n >= kInterleaveRowBlocks;
-    // bf16's short reductions keep the panels-outer order with plain stores: in the row order the weight
-    // gradient of gate_up at 7-27 rows a group took 141-146 against 105-109 ms (zen3-vm, avx2, 2 threads).
+    // bf16's short reductions keep the panels-outer order with plain stores, faster than the row order there
+    // (docs/performance.md, "gemm_bcast reduction blocks", "bf16 in the row order").
     if constexpr (std::is_same_v<T, BFloat16>)
       rows_outer = rows_outer && P * Nw * int64_t(sizeof(T)) > short_reduction_bytes(sizeof(T));
   }
@@ -948,13 +936,9 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
           // Row i of the block is streamed i register blocks after row 0 (from a small buffer that stays in
           // L1): streamed stores to lines with the same low 12 address bits in several rows at once ran far
           // slower than the same stores spread over the page (C rows a multiple of 4 KiB apart — gate_up's
-          // weight gradient, rows of 2048 fp32 — put a block's three rows' lines at the same offsets).
-          // zen3-vm, 2 threads, 1.6 GB of C at P = 16, by C's row length (fp32 columns): 2048: 146-168 ->
-          // 98-102 ms (the same rows padded by 32-256 columns, not delayed: 87-94), 1024: 129 -> 95, 4096:
-          // 105 -> 72, 1536: 100 -> 92-95, 768: 44-51 -> 48-50; at avx512 on Zen 4 (4 x 4 blocks, four lines
-          // a row) gate_up's weight gradient at 7-27 rows a group 83-86 -> 74-75 ms (docs/performance.md,
-          // "gemm_bcast reduction blocks", its entries "Rows of 8 KiB, explained" and "Later rows at
-          // avx512").
+          // weight gradient, rows of 2048 fp32 — put a block's three rows' lines at the same offsets)
+          // (docs/performance.md, "gemm_bcast reduction blocks", its entries "Rows of 8 KiB, explained" and
+          // "Later rows at avx512").
           if constexpr (MR > 1) {
             alignas(64) Ac later[MR][(MR - 1) * swide];  // block k's rows 1.. in slot k % MR
             Ac* const buf = &later[0][0];
@@ -968,8 +952,8 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
             for (int64_t n = 0; n < ns; n += swide, ++blocks) {
               // bf16's blocks as calls of their own: inlined here, the bf16 rounding's constants took vector
               // registers for the whole loop and GCC read three of B's four vectors from memory in every
-              // multiply-add (15 loads a step for 12 FMAs; gate_up at 101-159 rows a group 794-1021 ms
-              // against 695-835 as a call).
+              // multiply-add (15 loads a step for 12 FMAs; docs/performance.md, "gemm_bcast reduction
+              // blocks", "bf16 in the row order").
               if constexpr (std::is_same_v<T, BFloat16>)
                 bcast_block_apart<T, MR, kStreamVecs, Stream, TA, TS, kABlock, true>(
                     a, am, ap, sl + n * steps, swide, c + n, ld, steps, part(n, false), false, {},

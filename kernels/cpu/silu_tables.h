@@ -18,12 +18,12 @@ namespace KERNMAP_CPU_LEVEL {
 // bf16 rows were bound by the exp, the division and the roundings done in integer instructions (a 60-cycle
 // dependent chain a block; docs/performance.md, "bf16 SiLU tables"). The tables are built once per process,
 // at first use, by this level's own block math, so every result has the bits it had when computed: eager's
-// roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 640 KiB a level, built (in
-// about 0.5 ms) only by a process that runs a bf16 SiLU row; a row touches the entries of the gates it holds
-// (a layer's activations span a few exponents: a few KiB). `avx512` (AVX-512 without its bf16 instructions)
-// reads them for silu_and_mul's rows (kTabledSilu below: SiLU's own compute there), which ran 16-20 % faster
-// so on a Zen 4 (docs/performance.md, "bf16 SiLU tables"); the bf16 levels (`avx512bf16`, `amx`) compute,
-// rounding in one instruction.
+// roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 640 KiB a level, built only
+// by a process that runs a bf16 SiLU row; a row touches the entries of the gates it holds (a layer's
+// activations span a few exponents: a few KiB). `avx512` (AVX-512 without its bf16 instructions) reads them
+// for silu_and_mul's rows (kTabledSilu below: SiLU's own compute there), which ran faster so
+// (docs/performance.md, "bf16 SiLU tables"); the bf16 levels (`avx512bf16`, `amx`) compute, rounding in one
+// instruction.
 #if !defined(__AVX512BF16__)
 inline constexpr bool kSiluTables = true;
 #else
@@ -58,9 +58,9 @@ inline const SiluTables& silu_tables() {
 template <class T>
 inline constexpr bool kTabled = kSiluTables ? std::is_same_v<T, BFloat16> : false;
 /// SiLU's own rows (y = silu(x), dx = dy * silu'(x)) read them below AVX-512 only: at avx512 a lookup an
-/// element cost as much as the exp or the sigmoid it replaces (Zen 4, one thread in cache: forward 0.355 ns
-/// computed, 0.362 through the tables; backward 0.437 and 0.440), while silu_and_mul's rows, which also save
-/// a rounding or two, gained (docs/performance.md, "bf16 SiLU tables").
+/// element cost as much as the exp or the sigmoid it replaces, while silu_and_mul's rows, which also save a
+/// rounding or two, gained (docs/performance.md, "bf16 SiLU tables"; since then the forward's shorter exp,
+/// vec.h one_plus_exp_neg_bf16, made computing faster still there: "SiLU's exp").
 template <class T>
 inline constexpr bool kTabledSilu =
 #if defined(__AVX512F__)
@@ -70,9 +70,9 @@ inline constexpr bool kTabledSilu =
 #endif
 
 /// Elements of a row looked up at a time: the chunk's entries go into buffers on the stack (2 KiB at most,
-/// in L1) by scalar loads, then the block loops read them like any operand. Not gathers: on a Zen 3 core an
-/// 8-lane vpgatherdd cost about a cycle an element, more than the scalar loads (docs/performance.md, "bf16
-/// SiLU tables"). A multiple of 16, so that every chunk starts a pair.
+/// in L1) by scalar loads, then the block loops read them like any operand. Not gathers: an 8-lane vpgatherdd
+/// cost about a cycle an element, more than the scalar loads (docs/performance.md, "bf16 SiLU tables"). A
+/// multiple of 16, so that every chunk starts a pair.
 inline constexpr int64_t kChunk = 256;
 
 /// A row of n elements through the tables, chunk by chunk: look(c, m) fills the buffers with the entries

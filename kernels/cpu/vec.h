@@ -284,9 +284,9 @@ inline void store_native(Float16* p, VF v) {
 // Two blocks of bfloat16 at once (avx2): 16 elements from one 32-byte load, widened by one unpack each into
 // two float blocks in lane order — lo holds elements 0-3 and 8-11, hi 4-7 and 12-15 — and packed back in
 // order by two shifts and one vpackusdw. Two single blocks cost two loads and two shuffles to widen and two
-// shuffles and two lane-crossing vpermq to pack; the paired loops ran 12-17 % faster (docs/performance.md,
-// "bf16 elementwise rows"). For elementwise kernels whose every bf16 input and output goes through these (the
-// lanes then line up); the values and bits are those of load and store.
+// shuffles and two lane-crossing vpermq to pack; the paired loops ran faster (docs/performance.md, "bf16
+// elementwise rows", "Two blocks at once at avx2"). For elementwise kernels whose every bf16 input and output
+// goes through these (the lanes then line up); the values and bits are those of load and store.
 inline void load_bf16_pair(const BFloat16* p, VF& lo, VF& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   lo = (VF)_mm256_unpacklo_epi16(_mm256_setzero_si256(), v);
@@ -549,7 +549,7 @@ inline VF clamp_block(VF x, float lo, float hi) {
 /// SiLU's x / (1 + e^-x) then gives eager's -0 for huge negative x and NaN for -inf. -x = n ln2 + r with |r|
 /// <= ln2/2; e^r by a degree-5 minimax polynomial (relative error < 2e-7 for results above FLT_MIN), times
 /// 2^n. The polynomial is evaluated as two halves in s^2 (twelve cycles of dependent multiply-adds, not
-/// Horner's twenty): on a Zen 3 core the loops were bound by how many blocks the core keeps in flight times
+/// Horner's twenty): below AVX-512 the loops were bound by how many blocks the core keeps in flight times
 /// each block's latency, not by instruction count (docs/performance.md, "SiLU's exp"). x is clamped first so
 /// that infinities never reach the reduction (inf - inf would make a NaN): past the clamp e^-x is +inf or
 /// below 2^-24, where 1 + e^-x is already exact. A NaN x gives a NaN or a finite value: every caller's result
