@@ -161,10 +161,8 @@ at::Tensor product_bias(const at::Tensor* bias, bool in_fp32) {
 // The loss of each counted row without gradients (evaluation): the logits by blocks of classes against
 // passes of counted rows, each block's log-sum-exp folded into a running one per row (cross_entropy_block)
 // while the block is still in the cache its product wrote it to; the weight (and in the fp32 route its fp32
-// copy) goes block by block. No [rows, V] buffer: a pass holds rows x block logits. Measured at N2048 H896
-// V151936 fp32 (docs/ops.md, "Fused linear cross-entropy"): the products of 2048 rows by blocks of 1024
-// classes 1.68 s against 2.22 s for the 256-row chunks the gradient route takes and 1.82-2.05 s for one
-// whole product.
+// copy) goes block by block. No [rows, V] buffer: a pass holds rows x block logits. Faster than the gradient
+// route's chunks and than one whole product (docs/ops.md, "Fused linear cross-entropy").
 at::Tensor loss_by_vocab_blocks(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor* bias,
                                 const Targets& t, at::ScalarType acc_t) {
   const int64_t n = static_cast<int64_t>(t.row.size()), H = hidden.size(1), V = weight.size(0);
