@@ -7,21 +7,16 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-// SiLU for a result rounded to T: bf16's by silu_bf16_of (vec.h: a shorter exp at the AVX-512 levels, the
-// same bf16 bits for every input), other types' by silu_of.
+// SiLU of a block or a scalar whose result is rounded to T: bf16's by silu_bf16_of (vec.h: a shorter exp at
+// the AVX-512 levels, the same bf16 bits for every input), other types' by silu_of and silu_scalar.
 template <class T, class V>
 inline V silu_rounded_to(V x) {
   if constexpr (std::is_same_v<T, BFloat16>)
     return silu_bf16_of(x);
+  else if constexpr (std::is_arithmetic_v<V>)
+    return silu_scalar(x);
   else
     return silu_of(x);
-}
-template <class T, class A>
-inline A silu_scalar_rounded_to(A x) {
-  if constexpr (std::is_same_v<T, BFloat16>)
-    return silu_bf16_scalar(x);
-  else
-    return silu_scalar(x);
 }
 
 // Scalar math: y = round(x / (1 + exp(-x)))
@@ -57,7 +52,7 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
     }
     for (int64_t i = nb; i < n; ++i) {
       A v = to_acc<A>(xr[i]);
-      yr[i] = from_acc<T>(silu_scalar_rounded_to<T>(v));
+      yr[i] = from_acc<T>(silu_rounded_to<T>(v));
     }
   }
 }
@@ -162,7 +157,7 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
     }
     for (int64_t i = nb; i < n; ++i) {
       A a = to_acc<A>(gr[i]);
-      yr[i] = from_acc<T>(round_to<T>(silu_scalar_rounded_to<T>(a)) * to_acc<A>(ur[i]));
+      yr[i] = from_acc<T>(round_to<T>(silu_rounded_to<T>(a)) * to_acc<A>(ur[i]));
     }
   }
 }

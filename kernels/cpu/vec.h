@@ -660,7 +660,7 @@ inline VF silu_bf16_of(VF x) {
   return silu_of(x);
 #endif
 }
-inline float silu_bf16_scalar(float x) {
+inline float silu_bf16_of(float x) {
   return silu_bf16_of(VF{} + x)[0];
 }
 
