@@ -280,9 +280,9 @@ struct KERNMAP_API AlignResult {
   /// The per-layer noise runs (layer -> its steps); empty for a model without experts and with replayed
   /// routing.
   std::map<std::string, std::vector<StepLog>> noise_alone;
-  /// Whether the model has routers, and whether the runs after the original replayed their routing
-  /// (Routing::kReplay).
+  /// Whether the model has routers.
   bool routes_tokens = false;
+  /// Whether the runs after the original replayed its routing (a model with routers, Routing::kReplay).
   bool routing_replayed = false;
   /// Per step of the kernelized run, the tokens its routers would have sent elsewhere (replayed routing;
   /// empty otherwise); noise_routing: the noise run's, all steps together.
