@@ -4,6 +4,8 @@
 // (linear_cross_entropy without gradients takes the weight's rows a block at a time).
 #include <algorithm>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/vec.h"
 
@@ -98,29 +100,56 @@ Acc<T> row_max(const T* zr, int64_t V) {
   return has_nan ? std::numeric_limits<A>::quiet_NaN() : m;
 }
 
-// sum_j e^(z_j - m) over z[0, V), for a finite m.
-template <class T>
-Acc<T> row_sum_exp(const T* zr, int64_t V, Acc<T> m) {
+// sum_j e^(z_j - m) over z[0, V), for a finite m; with Keep, each e^(z_j - m) is also stored to e[j] (e may
+// be z itself when T is Acc<T>). The same sums in the same order either way.
+template <bool Keep = false, class T>
+Acc<T> row_sum_exp(const T* zr, int64_t V, Acc<T> m, Acc<T>* e = nullptr) {
   using A = Acc<T>;
   using W = Vec<A>;
   const int64_t Vb = V - V % kBlock;
   const int64_t Vu = V - V % (kBlock * kUnroll);
   W sum[kUnroll] = {};
+  const auto term = [&](int64_t i) {
+    const W t = exp_block(load<A>(zr + i) - m);
+    if constexpr (Keep) store(e + i, t);
+    return t;
+  };
   for (int64_t i = 0; i < Vu; i += kBlock * kUnroll)
-    for (int u = 0; u < kUnroll; ++u) sum[u] += exp_block(load<A>(zr + i + u * kBlock) - m);
-  for (int64_t i = Vu; i < Vb; i += kBlock) sum[0] += exp_block(load<A>(zr + i) - m);
+    for (int u = 0; u < kUnroll; ++u) sum[u] += term(i + u * kBlock);
+  for (int64_t i = Vu; i < Vb; i += kBlock) sum[0] += term(i);
   A s = lane_sum((sum[0] + sum[1]) + (sum[2] + sum[3]));
-  for (int64_t i = Vb; i < V; ++i) s += exp_scalar(to_acc<A>(zr[i]) - m);
+  for (int64_t i = Vb; i < V; ++i) {
+    const A t = exp_scalar(to_acc<A>(zr[i]) - m);
+    if constexpr (Keep) e[i] = t;
+    s += t;
+  }
   return s;
 }
 
+// Where the sum pass keeps a row's exponentials for the gradient pass: the row itself when its elements are
+// the accumulation type, else a buffer of the thread's, grown to the longest row seen (V floats: 600 KB at
+// V = 152K, read back from level 2 while the row is still there).
+template <class T>
+Acc<T>* kept_exps(T* zr, int64_t V) {
+  if constexpr (std::is_same_v<T, Acc<T>>) {
+    return zr;
+  } else {
+    thread_local std::vector<Acc<T>> buffer;
+    if (static_cast<int64_t>(buffer.size()) < V) buffer.resize(static_cast<size_t>(V));
+    return buffer.data();
+  }
+}
+
 // Scalar math, for a row z[0, V) with label y, in Acc (bf16 and fp16 logits widen exactly):
-//   m = max_j z_j; ls = log(sum_j e^(z_j - m)); loss = -((z_y - m) - ls)
-//   with grad: z_j <- round_T(e^((z_j - m) - ls) * scale), and z_y <- round_T(e^((z_y - m) - ls) * scale -
-//   scale): the eager log_softmax backward of nll_loss's -scale at the label.
+//   m = max_j z_j; e_j = e^(z_j - m); ls = log(sum_j e_j); loss = -((z_y - m) - ls)
+//   with grad, k = e^-ls * scale: z_j <- round_T(e_j * k), and z_y <- round_T(e_y * k - scale): the eager
+//   log_softmax backward of nll_loss's -scale at the label (softmax_j = e_j / sum = e_j e^-ls).
 // A row holding a NaN, or whose maximum is infinite, has no finite log-sum-exp: its loss and gradient are
 // NaN, as the eager log_softmax makes them. Three passes over a row (max, sum of exponentials, gradient): a
-// row of V = 152K fp32 logits is 600 KB, so the second and third read it from level 2.
+// row of V = 152K fp32 logits is 600 KB, so the second and third read it from level 2. The gradient pass
+// multiplies the exponentials the sum pass kept (kept_exps) instead of computing them again: the
+// exponential is most of a pass's work, and where the level has no FMA (baseline) more than the pass's
+// loads and stores (docs/performance.md, "Fused loss's exponentials kept").
 template <class T>
 void rows(T* z, int64_t ldz, int64_t V, const int64_t* target, Acc<T> scale, Acc<T>* loss, bool grad,
           int64_t r0, int64_t r1) {
@@ -138,13 +167,19 @@ void rows(T* z, int64_t ldz, int64_t V, const int64_t* target, Acc<T> scale, Acc
         for (int64_t i = 0; i < V; ++i) zr[i] = from_acc<T>(nan);
       continue;
     }
-    const A ls = std::log(row_sum_exp(zr, V, m));
+    if (!grad) {
+      loss[r] = -((zy - m) - std::log(row_sum_exp(zr, V, m)));
+      continue;
+    }
+    A* e = kept_exps(zr, V);
+    const A ls = std::log(row_sum_exp<true>(zr, V, m, e));
     loss[r] = -((zy - m) - ls);
-    if (!grad) continue;
     // The gradient over the logits, then the label's own term.
-    for (int64_t i = 0; i < Vb; i += kBlock) store(zr + i, exp_block((load<A>(zr + i) - m) - ls) * scale);
-    for (int64_t i = Vb; i < V; ++i) zr[i] = from_acc<T>(exp_scalar((to_acc<A>(zr[i]) - m) - ls) * scale);
-    zr[y] = from_acc<T>(exp_scalar((zy - m) - ls) * scale - scale);
+    const A k = exp_scalar(-ls) * scale;
+    const A ey = e[y];
+    for (int64_t i = 0; i < Vb; i += kBlock) store(zr + i, load<A>(e + i) * k);
+    for (int64_t i = Vb; i < V; ++i) zr[i] = from_acc<T>(e[i] * k);
+    zr[y] = from_acc<T>(ey * k - scale);
   }
 }
 
