@@ -363,13 +363,16 @@ inline void store(T* p, V v) {
 // behaviour differs. Each needs its address aligned to the block's byte width (checked by can_stream), and a
 // stream_fence() before another thread reads the data.
 
-/// Whether a block of T can be streamed at this level (float, bfloat16 and float16 from AVX2 on).
+/// Whether a block of T can be streamed at this level: float, bfloat16 and float16 from AVX2 on; at baseline
+/// float alone (a block of 16 bytes by movntps; the write-combining buffers join a row's consecutive blocks
+/// into whole lines), since a 16-bit block there is 8 bytes, whose streaming stores (movnti) ran slower than
+/// plain ones (docs/performance.md, "Streaming-store threshold").
 template <class T>
 inline constexpr bool kStreamable =
 #if defined(__AVX2__)
     std::is_same_v<T, float> || std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16>;
 #else
-    false;
+    std::is_same_v<T, float>;
 #endif
 
 /// True when rows of T starting at p, `stride` elements apart, can all be streamed block by block from
@@ -385,9 +388,7 @@ inline bool can_stream(const T* p, int64_t stride) {
 }
 
 inline void stream_fence() {
-#if defined(__AVX2__)
   _mm_sfence();
-#endif
 }
 
 /// store(p, v) as a streaming store when Stream (p aligned as can_stream checks); a normal store otherwise.
@@ -411,6 +412,8 @@ inline void store_out(T* p, V v) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack16(f, T{}));
 #endif
     }
+#else
+    _mm_stream_ps(p, __builtin_convertvector(v, VF));  // float only (kStreamable)
 #endif
   }
 }
