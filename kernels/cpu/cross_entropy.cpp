@@ -21,15 +21,8 @@ inline VF exp_block(VF x) {
   const float log2e = 1.44269504088896341f;
   const float ln2_hi = 0.693145751953125f;
   const float ln2_lo = 1.428606765330187e-06f;
-  // max(-88, x) in one instruction (a select took four at baseline); -88 first, so that a NaN x passes
-  // through as the select let it.
-#if defined(__AVX512F__)
-  const VF xc = _mm512_max_ps(_mm512_set1_ps(-88.0f), x);
-#elif defined(__AVX2__)
-  const VF xc = _mm256_max_ps(_mm256_set1_ps(-88.0f), x);
-#else
-  const VF xc = _mm_max_ps(_mm_set1_ps(-88.0f), x);
-#endif
+  // -88 first, so that a NaN x passes through (as a select would let it, in four instructions at baseline).
+  const VF xc = max_of(VF{} - 88.0f, x);
 #if defined(__AVX512F__)
   const VF n = _mm512_roundscale_ps(xc * log2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else

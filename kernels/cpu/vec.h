@@ -536,16 +536,30 @@ inline float nmadd(float a, float b, float c) {
 inline double nmadd(double a, double b, double c) {
   return madd(-a, b, c);
 }
-/// x limited to [lo, hi] in two instructions (maxps, minps; a compare and a blend each took four on Intel
-/// cores). A NaN x becomes lo: only for callers whose result also takes x itself, which carries the NaN.
-inline VF clamp_block(VF x, float lo, float hi) {
+/// Per lane a > b ? a : b (a < b ? a : b) in one instruction (maxps, minps), where a compare and a blend
+/// take two to four: b wherever either is NaN, so a NaN in b passes through.
+inline VF max_of(VF a, VF b) {
 #if defined(__AVX512F__)
-  return _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
+  return _mm512_max_ps(a, b);
 #elif defined(__AVX2__)
-  return _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+  return _mm256_max_ps(a, b);
 #else
-  return _mm_min_ps(_mm_max_ps(x, _mm_set1_ps(lo)), _mm_set1_ps(hi));
+  return _mm_max_ps(a, b);
 #endif
+}
+inline VF min_of(VF a, VF b) {
+#if defined(__AVX512F__)
+  return _mm512_min_ps(a, b);
+#elif defined(__AVX2__)
+  return _mm256_min_ps(a, b);
+#else
+  return _mm_min_ps(a, b);
+#endif
+}
+/// x limited to [lo, hi] in two instructions (max_of, min_of). A NaN x becomes lo: only for callers whose
+/// result also takes x itself, which carries the NaN.
+inline VF clamp_block(VF x, float lo, float hi) {
+  return min_of(max_of(x, VF{} + lo), VF{} + hi);
 }
 /// 1 + e^-x for a float block (the denominator of sigmoid and SiLU, their only need; negating inside saves an
 /// instruction), e^-x overflowing to +inf where it exceeds FLT_MAX (x below -88.72), as eager's exp does:
