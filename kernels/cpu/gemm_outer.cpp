@@ -15,6 +15,24 @@ namespace KERNMAP_CPU_LEVEL {
 namespace {
 
 constexpr int64_t kPrefetchRows = 8;
+// bcast_block's near fetch (B's rows are ldb apart, often a page or more, and the hardware prefetchers do not
+// follow them): how many rows ahead, into which cache, and in which reduction blocks. At the AVX-512 levels
+// kPrefetchRows into L1, in the first block only (kFetchNextBlock brings each next block whole). At avx2,
+// where no block is fetched ahead, in every block, 64 rows ahead into L2 and past the block's end: a step
+// there is one row (one line) and 12 multiply-adds, about 6 cycles at two FMA pipes, so 64 rows are about
+// one DRAM access ahead; without it the first row block over a panel waited on memory at every row (grad @
+// W of 6 rows a group ran 2.5x slower than of 7). 16 and 32 rows, and 32 into L1, ran slower; 96 and 128 no
+// faster (docs/performance.md, "gemm_bcast reduction blocks", "Every block's panel fetched ahead at avx2").
+// Baseline keeps the first rule: 64 rows ahead made its groups of 12-24 rows slower.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kNearRows = 64;
+constexpr int kNearLocality = 2;
+constexpr bool kNearEveryBlock = true;
+#else
+constexpr int64_t kNearRows = kPrefetchRows;
+constexpr int kNearLocality = 3;
+constexpr bool kNearEveryBlock = false;
+#endif
 // Register block: MR x NV accumulators, NV vectors of B's row and A's broadcast scalar fit the level's vector
 // registers (an accumulator that spills costs a load and a store per FMA): 4 x 4 + 4 + 1 = 21 of AVX-512's
 // 32; 6 x 2 + 2 + 1 = 15 of the 16 below it.
@@ -180,12 +198,14 @@ struct Fetch {
 // Register block: MR rows of C x NV vectors along n, over P steps of p (one block of the reduction).
 // ABlock: A is a row block of outer_blocks' copy, A(i, p) at A[p * MR + i] (a_m and a_p unused).
 // Later: only row 0 goes to C; rows 1.. are stored as they are (store_native) to `later`, NV vectors a row,
-// for the caller to write out (outer_blocks' row order, which streams row i i blocks later).
+// for the caller to write out (outer_blocks' row order, which streams row i i blocks later). `ahead`: the rows
+// of B from this block's first that may be fetched (0: its P).
 template <class T, int MR, int NV, bool Stream, class TA = T, class TB = T, bool ABlock = false,
           bool Later = false>
 void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb, T* C, int64_t ldc,
                  int64_t P, const Partial<Acc<T>>& part, bool near = true, Fetch fetch = {},
-                 Acc<T>* later = nullptr) {
+                 Acc<T>* later = nullptr, int64_t ahead = 0) {
+  const int64_t fetchable = ahead > 0 ? ahead : P;
   using Ac = Acc<T>;
   using V = Vec<Ac>;
   V acc[MR][NV];
@@ -193,13 +213,12 @@ void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb
     for (int j = 0; j < NV; ++j)
       acc[i][j] = part.resume ? load_native(part.sums + i * part.ld + j * kBlock) : V{};
   for (int64_t p = 0; p < P; ++p) {
-    // B's rows are ldb apart (often a page or more): the hardware prefetchers do not follow. `near`: fetch
-    // this panel's rows a few iterations ahead (one hint per cache line); `fetch`: a share of the caller's
-    // next reduction block, in memory order.
+    // `near`: fetch this panel's rows kNearRows ahead (one hint per cache line); `fetch`: a share of the
+    // caller's next reduction block, in memory order.
     fetch.step();
-    if (near && p + kPrefetchRows < P) {
+    if (near && p + kNearRows < fetchable) {
       for (int64_t off = 0; off < NV * kBlock * int64_t(sizeof(TB)); off += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(B + (p + kPrefetchRows) * ldb) + off);
+        __builtin_prefetch(reinterpret_cast<const char*>(B + (p + kNearRows) * ldb) + off, 0, kNearLocality);
     }
     V b[NV];
     for (int j = 0; j < NV; ++j) b[j] = load<Ac>(B + p * ldb + j * kBlock);
@@ -1044,8 +1063,10 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         const T* b = panel;
         const int64_t ldb = ldp;
         T* c = C + m * ldc + n;
-        // Only the first row block over a panel fetches it near, and only when nothing fetched it before.
-        const bool near = m == 0 && p0 == 0 && ldp != wide && !inter && !wpanel;
+        // Only the first row block over a panel fetches it near, and only when nothing fetched it before
+        // (kNearEveryBlock: nothing does), then past the block's end (near reads B in place).
+        const bool near = m == 0 && (p0 == 0 || kNearEveryBlock) && ldp != wide && !inter && !wpanel;
+        const int64_t ahead = kNearEveryBlock ? P - p0 : 0;
         const Fetch fetch = next.share(n / wide * row_blocks_n + m / kBcastRows, calls, pn);
 #if defined(__AVX512F__)
         if (wpanel) {
@@ -1079,7 +1100,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
         }
 #endif
         bcast_block<T, MR, kBcastVecs, Stream, TA, T, kABlock>(a, a_m, a_p, b, ldb, c, ldc, pn, part, near,
-                                                               fetch);
+                                                               fetch, nullptr, ahead);
       });
     }
   }
