@@ -198,8 +198,8 @@ struct Fetch {
 // Register block: MR rows of C x NV vectors along n, over P steps of p (one block of the reduction).
 // ABlock: A is a row block of outer_blocks' copy, A(i, p) at A[p * MR + i] (a_m and a_p unused).
 // Later: only row 0 goes to C; rows 1.. are stored as they are (store_native) to `later`, NV vectors a row,
-// for the caller to write out (outer_blocks' row order, which streams row i i blocks later). `ahead`: the rows
-// of B from this block's first that may be fetched (0: its P).
+// for the caller to write out (outer_blocks' row order, which streams row i i blocks later). `ahead`: the
+// rows of B from this block's first that may be fetched (0: its P).
 template <class T, int MR, int NV, bool Stream, class TA = T, class TB = T, bool ABlock = false,
           bool Later = false>
 void bcast_block(const TA* A, int64_t a_m, int64_t a_p, const TB* B, int64_t ldb, T* C, int64_t ldc,
