@@ -501,17 +501,18 @@ void panel_rows_any(int mr, const uint32_t* A, const uint16_t* panel, int64_t P,
   }
 }
 
-// C[M, N] = A[M, P] B[P, N], A's rows contiguous. The reduction goes in blocks of ~l2_block_bytes() of B
-// (whole rows of the N columns) while the next block is fetched in memory order; rows in as few blocks of up
-// to kPanelRows as cover M, as even as possible.
-template <bool Stream>
-void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C,
-                       int64_t ldc, int64_t M, int64_t N, int64_t P);
-
 // Columns in chunks (as even as possible) narrow enough for reduction blocks of at least kPanelMinBlock
 // steps: fewer partial-sum round trips and tile switches per step, the same sums; 256 steps were slower for
 // down_proj (docs/performance.md, "gemm_bcast reduction blocks").
 constexpr int64_t kPanelMinBlock = 128;
+
+// C[M, N] = A[M, P] B[P, N], A's rows contiguous. The reduction goes in blocks of ~l2_block_bytes() of B
+// (rows of one column chunk), each block through the chunks in turn, so that every row of B is read whole
+// within a block, one chunk after another, while the next (block, chunk) in that order is fetched. Chunks
+// outer, each over the whole reduction, read every row of gate_up's weights (4 KiB of bf16 at H 2048) in
+// halves 3 MiB apart, which the hardware's prefetchers serve at about half the rate of whole rows
+// (grad @ W of 16-row groups at avx512bf16 ran 6-8 % slower; docs/performance.md, "gemm_bcast reduction
+// blocks", "Chunks inner"). Rows in as few blocks of up to kPanelRows as cover M, as even as possible.
 template <bool Stream>
 void outer_panels(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
                   int64_t M, int64_t N, int64_t P) {
@@ -520,20 +521,15 @@ void outer_panels(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb
   const int64_t chunks = (N + widest - 1) / widest;
   const int64_t chunk =
       ((N + chunks - 1) / chunks + kPanelCols - 1) / kPanelCols * kPanelCols;  // as even as possible
-  for (int64_t n = 0; n < N; n += chunk)
-    outer_panels_cols<Stream>(A, lda, B + n, ldb, C + n, ldc, M, std::min(chunk, N - n), P);
-}
-
-template <bool Stream>
-void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C,
-                       int64_t ldc, int64_t M, int64_t N, int64_t P) {
-  const int64_t tiles = (N + kPanelCols - 1) / kPanelCols, Np = tiles * kPanelCols;
-  const int64_t block_p = std::clamp<int64_t>(l2_block_bytes() / (N * 2) / 8 * 8, 16, 256);
+  const int64_t nchunks = (N + chunk - 1) / chunk;
+  const int64_t ctiles = (chunk + kPanelCols - 1) / kPanelCols, Npc = ctiles * kPanelCols;
+  const int64_t block_p = std::clamp<int64_t>(l2_block_bytes() / (chunk * 2) / 8 * 8, 16, 256);
   const int64_t step_p = P <= block_p ? std::max<int64_t>(P, 1) : block_p;
-  float* sums = step_p < P ? scratch<float>(M * Np) : nullptr;
-  // The interleaved block: tiles one line more than their size apart (not all in the same cache sets).
+  float* sums = step_p < P ? scratch<float>(nchunks * M * Npc) : nullptr;  // chunk c's at c * M * Npc
+  // The interleaved block of one chunk: tiles one line more than their size apart (not all in the same
+  // cache sets).
   const int64_t tstride = (step_p + 1) / 2 * 64 + 32;
-  uint16_t* panels = scratch<uint16_t, 3>(tiles * tstride + 32);
+  uint16_t* panels = scratch<uint16_t, 3>(ctiles * tstride + 32);
   panels = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(panels) + 63) / 64 * 64);
   const int64_t nblocks = (M + kPanelRows - 1) / kPanelRows;
   auto row_block = [&](int64_t blk) { return static_cast<int>(M / nblocks + (blk < M % nblocks ? 1 : 0)); };
@@ -542,11 +538,8 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
   for (int64_t p0 = 0; p0 < std::max<int64_t>(P, 1); p0 += step_p) {
     const int64_t pn = std::min(step_p, P - p0);
     const bool resume = p0 > 0, park = p0 + pn < P;
-    // The next reduction block, in memory order, spread over this block's paired steps.
-    const Fetch next =
-        park ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * 2, N * 2, std::min(step_p, P - p0 - pn)) : Fetch{};
-    // A's pairs of this block, per row block in step-major order: [step][row] (an odd last step's second
-    // element zero, not read from A).
+    // A's pairs of this block (for all its chunks), per row block in step-major order: [step][row] (an odd
+    // last step's second element zero, not read from A).
     const int64_t steps = (pn + 1) / 2;
     for (int64_t blk = 0, m = 0; blk < nblocks; m += row_block(blk), ++blk) {
       const int64_t mr = row_block(blk);
@@ -558,17 +551,30 @@ void outer_panels_cols(const BFloat16* A, int64_t lda, const BFloat16* B, int64_
         if (pn % 2) dst[(steps - 1) * mr + i] = a[pn - 1];
       }
     }
-    interleave_block(B + p0 * ldb, ldb, pn, N, panels, tstride);
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t n = t * kPanelCols, cols = std::min<int64_t>(kPanelCols, N - n);
-      const uint16_t* panel = panels + t * tstride;
-      int64_t m = 0;
-      for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const int mr = row_block(blk);
-        const Fetch fetch = next.share(t * nblocks + blk, tiles * nblocks, pn / 2);
-        const Partial<float> part{sums ? sums + m * Np + n : nullptr, Np, resume, park};
-        panel_rows_any<Stream>(mr, apack + m * steps, panel, pn, part, C + m * ldc + n, ldc, cols, fetch);
-        m += mr;
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const int64_t n0 = c * chunk, Nc = std::min(chunk, N - n0);
+      const int64_t tiles = (Nc + kPanelCols - 1) / kPanelCols;
+      // The next (block, chunk), in memory order, spread over this one's paired steps: this block's next
+      // chunk, or the next block's first.
+      Fetch next;
+      if (c + 1 < nchunks)
+        next = Fetch::rows_of(B + p0 * ldb + n0 + chunk, ldb * 2, std::min(chunk, N - n0 - chunk) * 2, pn);
+      else if (park)
+        next = Fetch::rows_of(B + (p0 + pn) * ldb, ldb * 2, std::min(chunk, N) * 2,
+                              std::min(step_p, P - p0 - pn));
+      interleave_block(B + p0 * ldb + n0, ldb, pn, Nc, panels, tstride);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n = t * kPanelCols, cols = std::min<int64_t>(kPanelCols, Nc - n);
+        const uint16_t* panel = panels + t * tstride;
+        int64_t m = 0;
+        for (int64_t blk = 0; blk < nblocks; ++blk) {
+          const int mr = row_block(blk);
+          const Fetch fetch = next.share(t * nblocks + blk, tiles * nblocks, pn / 2);
+          const Partial<float> part{sums ? sums + c * M * Npc + m * Npc + n : nullptr, Npc, resume, park};
+          panel_rows_any<Stream>(mr, apack + m * steps, panel, pn, part, C + m * ldc + n0 + n, ldc, cols,
+                                 fetch);
+          m += mr;
+        }
       }
     }
   }

@@ -107,7 +107,8 @@ void experts_match_reference(const Case& c) {
 // 130 columns: blocks of 256 steps); then bf16 long reductions (more than 64 steps, A's pairs in its rows):
 // interleaved 32-column panels and row blocks of up to 12 rows, rows around the blocks, columns around the
 // 32-column tile, an odd step alone at the end of a reduction split into blocks of 256 steps (257) or not
-// split (65); columns in two chunks of 576 and 524 with 128-step blocks (1100 x 301).
+// split (65); columns in two chunks of 576 and 524 with 128-step blocks, each block through both chunks
+// (1100 x 301).
 std::vector<Shape> gemm_bcast_shapes() {
   std::vector<Shape> out;
   auto add = [&](int64_t M, int64_t N, int64_t P, std::string layout) {
@@ -340,6 +341,9 @@ const std::vector<Row>& kernel_table() {
        .shapes = {{.sizes = {{"M", 23}, {"N", 200}, {"P", 77}}, .layouts = {"A"}},
                   {.sizes = {{"M", 23}, {"N", 2048}, {"P", 150}}, .layouts = {"At"}},
                   {.sizes = {{"M", 13}, {"N", 130}, {"P", 777}}, .layouts = {"A"}},
+                  // bf16 long reductions with A's pairs in its rows at the dot-product levels: two column
+                  // chunks a reduction block, streamed and not.
+                  {.sizes = {{"M", 23}, {"N", 1100}, {"P", 301}}, .layouts = {"A"}},
                   {.sizes = {{"M", 41}, {"N", 130}, {"P", 16}}, .layouts = {"At_B4k"}},
                   // Streamed short reductions of 8 or more row blocks (the rows of the third call): the row
                   // order, its two-line register blocks below AVX-512 (a last panel of half their width at N
