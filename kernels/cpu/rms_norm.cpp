@@ -69,16 +69,57 @@ inline V accumulate_blocks(int64_t Hb, Step&& step) {
 // The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X), fetching the row
 // the first pass reads next (the first pass is light enough to run at memory speed; this one is not). h and
 // r are made of X elements and the finite eps alone, so the rounding needs no NaN select (round_block_arith);
-// the weight, a float of any value, comes after it.
+// the weight, a float of any value, comes after it. bf16 in and out at avx2 (wp: the weight in the pairs'
+// lane order, pair_order below): two blocks at once, one 32-byte load and one packing for both
+// (paired_bf16_blocks); the same values as the single blocks.
 template <bool Stream, class X, class S, class N, class Y>
-void normalize_row(const S& src, const N& next, const Acc<X>* w, Y* y, Acc<X> rs, int64_t H) {
+void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* wp, Y* y, Acc<X> rs,
+                   int64_t H) {
   const int64_t Hb = H - H % kBlock;
-  for (int64_t i = 0; i < Hb; i += kBlock) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<S, Source<false, BFloat16>> && std::is_same_v<Y, BFloat16>) {
+    if (wp) {
+      i = paired_bf16_blocks<Y>(Hb, [&](auto p) {
+        next.prefetch_block(p);
+        VF lo, hi;
+        load_bf16_pair(src.x + p, lo, hi);
+        lo = round_block_arith<X>(lo * rs);
+        hi = round_block_arith<X>(hi * rs);
+        store_bf16_pair<Stream>(y + p, load<float>(wp + p) * lo, load<float>(wp + p + kBlock) * hi);
+      });
+    }
+  }
+  for (; i < Hb; i += kBlock) {
     next.prefetch_block(i);
     Vec<Acc<X>> n = round_block_arith<X>(src.block(i) * rs);
     store_out<Stream>(y + i, load<Acc<X>>(w + i) * n);
   }
   for (int64_t i = Hb; i < H; ++i) y[i] = from_acc<Y>(w[i] * round_to<X>(src.at(i) * rs));
+}
+
+// The weight in the lane order of load_bf16_pair's blocks (elements 0-3 and 8-11 of each 16, then 4-7 and
+// 12-15), for normalize_row's paired blocks: into the calling thread's buffer at avx2 for bf16 rows, else
+// null (no pairs).
+template <class X, class Y>
+const Acc<X>* pair_order(const Acc<X>* w, int64_t H) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<X, BFloat16> && std::is_same_v<Y, BFloat16>) {
+    thread_local std::vector<float> buf;
+    const int64_t n = H - H % (2 * kBlock);
+    if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+    for (int64_t p = 0; p < n; p += 2 * kBlock)
+      for (int64_t j = 0; j < 4; ++j) {
+        buf[p + j] = w[p + j];
+        buf[p + 4 + j] = w[p + 8 + j];
+        buf[p + 8 + j] = w[p + 4 + j];
+        buf[p + 12 + j] = w[p + 12 + j];
+      }
+    return buf.data();
+  }
+#endif
+  (void)w;
+  (void)H;
+  return nullptr;
 }
 
 // Scalar math (h = float(x), or with Add h = float(round_X(x + res)), written to sum):
@@ -93,6 +134,7 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
   A* hrow = Add ? row_scratch<A>(H) : nullptr;
+  const A* wp = Add ? nullptr : pair_order<X, Y>(w, H);
   for (int64_t r = r0; r < r1; ++r) {
     const Source<Add, X> src{x + r * xs, Add ? res + r * res_s : nullptr};
     const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
@@ -120,9 +162,9 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
     const A rs = A(1) / std::sqrt(ss / static_cast<A>(H) + static_cast<A>(eps));
     rstd[r] = rs;
     if constexpr (Add) {
-      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, next, w, yr, rs, H);
+      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, next, w, nullptr, yr, rs, H);
     } else {
-      normalize_row<Stream, X>(src, next, w, yr, rs, H);
+      normalize_row<Stream, X>(src, next, w, wp, yr, rs, H);
     }
   }
 }

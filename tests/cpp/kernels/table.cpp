@@ -247,8 +247,11 @@ const std::vector<Row>& kernel_table() {
        .check = [](const Case& c) { add_rms_norm_matches_reference(c, at::kFloat); },
        .dtypes = {at::kBFloat16, at::kHalf}},
       {.op = "add_rms_norm_eager_bits",
-       // 128 rows of 7: a multiply-add fused in one kernel and not the other changes about one row in ten
-       .shapes = concat(grid({{"rows", {6}}, {"H", kOddSizes}}), {{.sizes = {{"rows", 128}, {"H", 7}}}}),
+       // 128 rows of 7: a multiply-add fused in one kernel and not the other changes about one row in ten.
+       // H 24 and 40: the plain forward's paired bf16 blocks at avx2 (normalize_row) followed by a single
+       // block, against the fused forward's single blocks.
+       .shapes = concat(grid({{"rows", {6}}, {"H", {1, 7, 24, 40, 769, 5125}}}),
+                        {{.sizes = {{"rows", 128}, {"H", 7}}}}),
        .layouts = kRowLayouts,
        .check = add_rms_norm_has_the_bits_of_the_add_then_rms_norm},
       {.op = "add_rms_norm_backward_bits",
