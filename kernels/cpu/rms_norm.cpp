@@ -169,17 +169,35 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
   }
 }
 
+// The backward's paired bf16 blocks at avx2 (its second pass, as normalize_row's): block i of g, computed by
+// the first pass's single blocks, stored where the pairs' lane order puts it (within the paired blocks, i
+// below H - H % 16): its lanes 0-3 and 4-7 at elements 0-3 and 8-11 of its pair (the pair's first block), or
+// 4-7 and 12-15 (its second).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+template <class X>
+inline constexpr bool kPairedBf16 = std::is_same_v<X, BFloat16>;
+inline void store_pair_lanes(float* row, int64_t i, VF v) {
+  float* at = row + (i - i % (2 * kBlock)) + (i % (2 * kBlock) ? 4 : 0);
+  _mm_storeu_ps(at, _mm256_castps256_ps128((__m256)v));
+  _mm_storeu_ps(at + 8, _mm256_extractf128_ps((__m256)v, 1));
+}
+#else
+template <class X>
+inline constexpr bool kPairedBf16 = false;
+#endif
+
 // Scalar math (g is the gradient reaching round_X(h * r), rounded to X as the eager autograd does):
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
 // With Add (the fused residual add's backward), the residual stream's gradient joins as eager's autograd
 // accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's) and parks
-// g in the thread's row buffer for the second.
+// g in the thread's row buffer for the second (bf16 at avx2: in the pairs' lane order, store_pair_lanes).
 template <bool Add, bool Stream, class X, class Y>
 void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
               const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
   using A = Acc<X>;
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
+  const int64_t Hp = H - H % (2 * kBlock);  // the paired blocks' end (kPairedBf16)
   A* grow = row_scratch<A>(H);
   for (int64_t r = r0; r < r1; ++r) {
     const Y* dyr = dy + r * dys;
@@ -195,6 +213,9 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       V g = round_block<X>(d * load<A>(w + i));
       a = madd(g, h, a);
       store(dw + i, madd(d, round_block<X>(h * rs), load<A>(dw + i)));
+      if constexpr (kPairedBf16<X>) {
+        if (i < Hp) return store_pair_lanes(grow, i, g);
+      }
       store(grow + i, g);
     });
     A dot = lane_sum(acc);
@@ -207,7 +228,25 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       grow[i] = g;
     }
     const A c = rs * rs * rs * dot / static_cast<A>(H);
-    for (int64_t i = 0; i < Hb; i += kBlock) {
+    int64_t i = 0;
+    if constexpr (kPairedBf16<X>) {
+      i = paired_bf16_blocks<X>(Hb, [&](auto p) {
+        for (int64_t q = p; q < p + 2 * kBlock; q += kBlock) {
+          prefetch(dy + rn * dys + q);
+          prefetch(x + rn * xs + q);
+        }
+        VF h[2], v[2];
+        load_bf16_pair(xr + p, h[0], h[1]);
+        for (int k = 0; k < 2; ++k) v[k] = nmadd(VF{} + c, h[k], rs * load<A>(grow + p + k * kBlock));
+        if constexpr (Add) {
+          VF ds[2];
+          load_bf16_pair(dsr + p, ds[0], ds[1]);
+          for (int k = 0; k < 2; ++k) v[k] = round_block<X>(v[k]) + ds[k];
+        }
+        store_bf16_pair<Stream>(dxr + p, v[0], v[1]);
+      });
+    }
+    for (; i < Hb; i += kBlock) {
       prefetch(dy + rn * dys + i);
       prefetch(x + rn * xs + i);
       V h = load<A>(xr + i);
