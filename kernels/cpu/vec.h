@@ -451,10 +451,11 @@ inline V round_block(V v) {
 /// sums, quotients, one_plus_exp_neg below): each of its NaNs is the default NaN or an operand's NaN made
 /// quiet, which for a bfloat16 T has its low 16 bits clear, so the rounding add cannot carry out of a NaN's
 /// mantissa and needs no NaN select (two instructions of seven below AVX-512, where the elementwise bf16 rows
-/// are bound by instructions and latency: docs/performance.md, "bf16 elementwise rows"). Every lane that is
-/// not NaN has round_block's bits; a NaN lane stays a NaN (its payload, not always 0xffff0000: the stores
-/// write torch's 0xffff for every NaN). Not for blocks that take an operand of another type (a float weight
-/// can hold any NaN). At the AVX-512 levels it is round_block.
+/// are bound by instructions and latency: docs/performance.md, "bf16 elementwise rows"; at avx512 the ordered
+/// compare of five, the and unmasked: "The arithmetic rounding at avx512"). Every lane that is not NaN has
+/// round_block's bits; a NaN lane stays a NaN (its payload, not always 0xffff0000: the stores write torch's
+/// 0xffff for every NaN). Not for blocks that take an operand of another type (a float weight can hold any
+/// NaN). At avx512bf16 it is round_block (one conversion).
 template <class T, class V>
 inline V round_block_arith(V v) {
 #if !defined(__AVX512F__)
@@ -462,6 +463,9 @@ inline V round_block_arith(V v) {
     const VU u = (VU)v;
     return (VF)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
   }
+#elif !defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, BFloat16>)
+    return (VF)_mm512_and_epi32(bf16_round_bits(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
 #endif
   return round_block<T>(v);
 }
