@@ -39,14 +39,17 @@ inline VF exp_block(VF x) {
   p = madd(p, r, VF{} + 1.6666665459e-1f);
   p = madd(p, r, VF{} + 5.0000001201e-1f);
   p = madd(p, r * r, r) + 1.0f;
-#if defined(__AVX512F__)
-  const VF e = _mm512_scalef_ps(p, n);
-#else
+#if !defined(__AVX512F__)
   // t's bits are those of 1.5 * 2^23 plus n; shifted by 23 only n's bits survive, giving n as an exponent (n
-  // >= -126 for normal results; smaller n, within 0.7 of -88, give 0 instead of a subnormal).
-  const VF e = p * (VF)(((VI)t + 127) << 23);
+  // >= -126 for normal results; smaller n, within 0.7 of -88, give 0 instead of a subnormal). Below -88 the
+  // clamp gives n = -127, whose exponent field is 0: e is exactly 0 already, so no select (its four
+  // instructions at baseline; a NaN x still gives NaN: docs/performance.md, "Fused loss's exponentials
+  // kept").
+  return p * (VF)(((VI)t + 127) << 23);
+#else
+  // vscalefps of n = -127 gives a subnormal, not 0: the lanes below -88 are zeroed.
+  return x < -88.0f ? VF{} : _mm512_scalef_ps(p, n);
 #endif
-  return x < -88.0f ? VF{} : e;
 }
 inline VD exp_block(VD x) {
   for (int j = 0; j < kBlock; ++j) x[j] = std::exp(x[j]);
