@@ -66,11 +66,28 @@ inline V accumulate_blocks(int64_t Hb, Step&& step) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
+// The paired bf16 blocks at avx2 (paired_bf16_blocks; load_bf16_pair's lane order: elements 0-3 and 8-11
+// of each 16, then 4-7 and 12-15), for rows of float kept beside bf16 rows (the forward's weight, the
+// backward's g): block i (i below H - H % 16) stored where that order puts it, its lanes 0-3 and 4-7 at
+// elements 0-3 and 8-11 of its pair (the pair's first block), or 4-7 and 12-15 (its second).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+template <class X>
+inline constexpr bool kPairedBf16 = std::is_same_v<X, BFloat16>;
+inline void store_pair_lanes(float* row, int64_t i, VF v) {
+  float* at = row + (i - i % (2 * kBlock)) + (i % (2 * kBlock) ? 4 : 0);
+  _mm_storeu_ps(at, _mm256_castps256_ps128((__m256)v));
+  _mm_storeu_ps(at + 8, _mm256_extractf128_ps((__m256)v, 1));
+}
+#else
+template <class X>
+inline constexpr bool kPairedBf16 = false;
+#endif
+
 // The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X), fetching the row
 // the first pass reads next (the first pass is light enough to run at memory speed; this one is not). h and
 // r are made of X elements and the finite eps alone, so the rounding needs no NaN select (round_block_arith);
 // the weight, a float of any value, comes after it. bf16 in and out at avx2 (wp: the weight in the pairs'
-// lane order, pair_order below): two blocks at once, one 32-byte load and one packing for both
+// lane order, pair_order): two blocks at once, one 32-byte load and one packing for both
 // (paired_bf16_blocks); the same values as the single blocks.
 template <bool Stream, class X, class S, class N, class Y>
 void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* wp, Y* y, Acc<X> rs,
@@ -97,28 +114,17 @@ void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* w
   for (int64_t i = Hb; i < H; ++i) y[i] = from_acc<Y>(w[i] * round_to<X>(src.at(i) * rs));
 }
 
-// The weight in the lane order of load_bf16_pair's blocks (elements 0-3 and 8-11 of each 16, then 4-7 and
-// 12-15), for normalize_row's paired blocks: into the calling thread's buffer at avx2 for bf16 rows, else
-// null (no pairs).
+// The weight in the pairs' lane order (store_pair_lanes), for normalize_row's paired blocks: into the calling
+// thread's buffer for bf16 rows at avx2, else null (no pairs).
 template <class X, class Y>
 const Acc<X>* pair_order(const Acc<X>* w, int64_t H) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (std::is_same_v<X, BFloat16> && std::is_same_v<Y, BFloat16>) {
+  if constexpr (kPairedBf16<X> && std::is_same_v<Y, BFloat16>) {
     thread_local std::vector<float> buf;
     const int64_t n = H - H % (2 * kBlock);
     if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-    for (int64_t p = 0; p < n; p += 2 * kBlock)
-      for (int64_t j = 0; j < 4; ++j) {
-        buf[p + j] = w[p + j];
-        buf[p + 4 + j] = w[p + 8 + j];
-        buf[p + 8 + j] = w[p + 4 + j];
-        buf[p + 12 + j] = w[p + 12 + j];
-      }
+    for (int64_t i = 0; i < n; i += kBlock) store_pair_lanes(buf.data(), i, load<float>(w + i));
     return buf.data();
   }
-#endif
-  (void)w;
-  (void)H;
   return nullptr;
 }
 
@@ -168,23 +174,6 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
     }
   }
 }
-
-// The backward's paired bf16 blocks at avx2 (its second pass, as normalize_row's): block i of g, computed by
-// the first pass's single blocks, stored where the pairs' lane order puts it (within the paired blocks, i
-// below H - H % 16): its lanes 0-3 and 4-7 at elements 0-3 and 8-11 of its pair (the pair's first block), or
-// 4-7 and 12-15 (its second).
-#if defined(__AVX2__) && !defined(__AVX512F__)
-template <class X>
-inline constexpr bool kPairedBf16 = std::is_same_v<X, BFloat16>;
-inline void store_pair_lanes(float* row, int64_t i, VF v) {
-  float* at = row + (i - i % (2 * kBlock)) + (i % (2 * kBlock) ? 4 : 0);
-  _mm_storeu_ps(at, _mm256_castps256_ps128((__m256)v));
-  _mm_storeu_ps(at + 8, _mm256_extractf128_ps((__m256)v, 1));
-}
-#else
-template <class X>
-inline constexpr bool kPairedBf16 = false;
-#endif
 
 // Scalar math (g is the gradient reaching round_X(h * r), rounded to X as the eager autograd does):
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
