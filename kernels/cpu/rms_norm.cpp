@@ -66,17 +66,23 @@ inline V accumulate_blocks(int64_t Hb, Step&& step) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-// The paired bf16 blocks at avx2 (paired_bf16_blocks; load_bf16_pair's lane order: elements 0-3 and 8-11
-// of each 16, then 4-7 and 12-15), for rows of float kept beside bf16 rows (the forward's weight, the
-// backward's g): block i (i below H - H % 16) stored where that order puts it, its lanes 0-3 and 4-7 at
-// elements 0-3 and 8-11 of its pair (the pair's first block), or 4-7 and 12-15 (its second).
-#if defined(__AVX2__) && !defined(__AVX512F__)
+// The paired bf16 blocks below AVX-512 (paired_bf16_blocks), for rows of float kept beside bf16 rows (the
+// forward's weight, the backward's g): block i (i below H - H % (2 kBlock)) stored where load_bf16_pair's
+// lane order puts it. At avx2 (elements 0-3 and 8-11 of each 16 in the first block, 4-7 and 12-15 in the
+// second) block i's lanes 0-3 and 4-7 go to elements 0-3 and 8-11 of its pair (the pair's first block), or
+// 4-7 and 12-15 (its second); at baseline the lanes are in the row's order (kPairLanesInOrder) and block i
+// stays where it is.
+#if !defined(__AVX512F__)
 template <class X>
 inline constexpr bool kPairedBf16 = std::is_same_v<X, BFloat16>;
 inline void store_pair_lanes(float* row, int64_t i, VF v) {
+#if defined(__AVX2__)
   float* at = row + (i - i % (2 * kBlock)) + (i % (2 * kBlock) ? 4 : 0);
   _mm_storeu_ps(at, _mm256_castps256_ps128((__m256)v));
   _mm_storeu_ps(at + 8, _mm256_extractf128_ps((__m256)v, 1));
+#else
+  store(row + i, v);
+#endif
 }
 #else
 template <class X>
@@ -86,9 +92,9 @@ inline constexpr bool kPairedBf16 = false;
 // The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X), fetching the row
 // the first pass reads next (the first pass is light enough to run at memory speed; this one is not). h and
 // r are made of X elements and the finite eps alone, so the rounding needs no NaN select (round_block_arith);
-// the weight, a float of any value, comes after it. bf16 in and out at avx2 (wp: the weight in the pairs'
-// lane order, pair_order): two blocks at once, one 32-byte load and one packing for both
-// (paired_bf16_blocks); the same values as the single blocks.
+// the weight, a float of any value, comes after it. bf16 in and out below AVX-512 (wp: the weight in the
+// pairs' lane order, pair_order): two blocks at once, one load and one packing for both (paired_bf16_blocks);
+// the same values as the single blocks.
 template <bool Stream, class X, class S, class N, class Y>
 void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* wp, Y* y, Acc<X> rs,
                    int64_t H) {
@@ -114,11 +120,13 @@ void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* w
   for (int64_t i = Hb; i < H; ++i) y[i] = from_acc<Y>(w[i] * round_to<X>(src.at(i) * rs));
 }
 
-// The weight in the pairs' lane order (store_pair_lanes), for normalize_row's paired blocks: into the calling
-// thread's buffer for bf16 rows at avx2, else null (no pairs).
+// The weight in the pairs' lane order (store_pair_lanes), for normalize_row's paired blocks: for bf16 rows
+// below AVX-512, w itself where that order is the row's (baseline), else a copy in the calling thread's
+// buffer; null otherwise (no pairs).
 template <class X, class Y>
 const Acc<X>* pair_order(const Acc<X>* w, int64_t H) {
   if constexpr (kPairedBf16<X> && std::is_same_v<Y, BFloat16>) {
+    if constexpr (kPairLanesInOrder) return w;
     thread_local std::vector<float> buf;
     const int64_t n = H - H % (2 * kBlock);
     if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
@@ -179,7 +187,8 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
 // With Add (the fused residual add's backward), the residual stream's gradient joins as eager's autograd
 // accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's) and parks
-// g in the thread's row buffer for the second (bf16 at avx2: in the pairs' lane order, store_pair_lanes).
+// g in the thread's row buffer for the second (bf16 below AVX-512: in the pairs' lane order,
+// store_pair_lanes).
 template <bool Add, bool Stream, class X, class Y>
 void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
               const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {

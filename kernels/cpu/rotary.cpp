@@ -26,7 +26,7 @@ void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
     lo = round_block_arith<X>(x1 * ca) - round_block_arith<X>(x2 * sa);
     hi = round_block_arith<X>(x2 * cb) + round_block_arith<X>(x1 * sb);
   };
-  // bf16 at avx2: two blocks a step, every input and output through the paired load and store (vec.h).
+  // bf16 below AVX-512: two blocks a step, every input and output through the paired load and store (vec.h).
   const int64_t i0 = paired_bf16_blocks<X>(hb, [&](auto i) {
     VF x1[2], x2[2], ca[2], cb[2], sa[2], sb[2];
     load_bf16_pair(x + i, x1[0], x1[1]);

@@ -76,8 +76,8 @@ inline constexpr bool kTabledSilu =
 inline constexpr int64_t kChunk = 256;
 
 /// A row of n elements through the tables, chunk by chunk: look(c, m) fills the buffers with the entries
-/// of elements c .. c + m, then pair(c, j) runs for each 16 of them at avx2 (two blocks, the pair functions'
-/// lane order), block(c, j) for each kBlock at baseline and avx512, one(c, j) for the rest; j counts within
+/// of elements c .. c + m, then pair(c, j) runs for each 2 kBlock of them below AVX-512 (two blocks, the pair
+/// functions' lane order), block(c, j) for each kBlock at avx512, one(c, j) for the rest; j counts within
 /// the chunk. pair and block take j as `auto`, so each body is compiled only at the level that runs it.
 template <class Look, class Pair, class Block, class One>
 inline void tabled_row(int64_t n, Look&& look, Pair&& pair, Block&& block, One&& one) {
@@ -85,7 +85,7 @@ inline void tabled_row(int64_t n, Look&& look, Pair&& pair, Block&& block, One&&
     const int64_t m = std::min(kChunk, n - c);
     look(c, m);
     int64_t j = 0;
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if !defined(__AVX512F__)
     for (; j + 2 * kBlock <= m; j += 2 * kBlock) pair(c, j);
     (void)block;
 #else
@@ -130,18 +130,6 @@ inline void look_up_grad(const T* g, int64_t m, const GradEntry* table, GradEntr
 #endif
   look_up(g + j, m - j, table, e + j);
 }
-/// silu' and x * sigmoid(x) of 16 gates from look_up_grad's buffer, as two blocks each in the pair functions'
-/// lane order (avx2; a template so that baseline never compiles its body).
-template <class E>
-inline void load_grad_pair(const E* p, VF ds[2], VF xs[2]) {
-  const float* f = &p->dsilu;
-  const __m256 a = _mm256_load_ps(f), b = _mm256_load_ps(f + 8), c = _mm256_load_ps(f + 16),
-               d = _mm256_load_ps(f + 24);
-  ds[0] = _mm256_shuffle_ps(a, b, 0x88);
-  xs[0] = _mm256_shuffle_ps(a, b, 0xdd);
-  ds[1] = _mm256_shuffle_ps(c, d, 0x88);
-  xs[1] = _mm256_shuffle_ps(c, d, 0xdd);
-}
 /// The same for a block in order (baseline: four entries; avx512: sixteen, split by two two-source permutes).
 template <class E>
 inline void load_grad_block(const E* p, VF& ds, VF& xs) {
@@ -157,12 +145,35 @@ inline void load_grad_block(const E* p, VF& ds, VF& xs) {
   xs = _mm_shuffle_ps(a, b, 0xdd);
 #endif
 }
+/// silu' and x * sigmoid(x) of 2 kBlock gates from look_up_grad's buffer, as two blocks each in the pair
+/// functions' lane order (below AVX-512; at baseline two blocks in order; a template so that avx512 never
+/// compiles its body).
+template <class E>
+inline void load_grad_pair(const E* p, VF ds[2], VF xs[2]) {
+#if !defined(__AVX2__)
+  load_grad_block(p, ds[0], xs[0]);
+  load_grad_block(p + kBlock, ds[1], xs[1]);
+#else
+  const float* f = &p->dsilu;
+  const __m256 a = _mm256_load_ps(f), b = _mm256_load_ps(f + 8), c = _mm256_load_ps(f + 16),
+               d = _mm256_load_ps(f + 24);
+  ds[0] = _mm256_shuffle_ps(a, b, 0x88);
+  xs[0] = _mm256_shuffle_ps(a, b, 0xdd);
+  ds[1] = _mm256_shuffle_ps(c, d, 0x88);
+  xs[1] = _mm256_shuffle_ps(c, d, 0xdd);
+#endif
+}
 
-/// avx2: 16 bf16 copied from a buffer (aligned to 32 bytes), stored as store_bf16_pair stores them.
+#if !defined(__AVX512F__)
+/// Below AVX-512: 2 kBlock bf16 copied from a buffer (aligned to their width), stored as store_bf16_pair
+/// stores them.
 template <bool Stream, class T>
 inline void copy_pair(T* p, const T* from) {
-  store_packed_pair<Stream>(p, _mm256_load_si256(reinterpret_cast<const __m256i*>(from)));
+  PackedPair v;
+  std::memcpy(&v, from, sizeof v);
+  store_packed_pair<Stream>(p, v);
 }
+#endif
 
 }  // namespace KERNMAP_CPU_LEVEL
 }  // namespace kernmap::cpu

@@ -280,13 +280,26 @@ inline void store_native(Float16* p, VF v) {
 #endif
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// Two blocks of bfloat16 at once (avx2): 16 elements from one 32-byte load, widened by one unpack each into
-// two float blocks in lane order — lo holds elements 0-3 and 8-11, hi 4-7 and 12-15 — and packed back in
-// order by two shifts and one vpackusdw. Two single blocks cost two loads and two shuffles to widen and two
-// shuffles and two lane-crossing vpermq to pack; the paired loops ran faster (docs/performance.md, "bf16
-// elementwise rows", "Two blocks at once at avx2"). For elementwise kernels whose every bf16 input and output
-// goes through these (the lanes then line up); the values and bits are those of load and store.
+/// Whether load_bf16_pair's two blocks hold the row's elements in order (baseline), not interleaved by the
+/// 128-bit halves (avx2). The AVX-512 levels have no pairs.
+inline constexpr bool kPairLanesInOrder =
+#if defined(__AVX2__)
+    false;
+#else
+    true;
+#endif
+
+#if !defined(__AVX512F__)
+// Two blocks of bfloat16 at once (avx2 and baseline): 2 kBlock elements from one load, widened by one unpack
+// each into two float blocks and packed back in order by two shifts and one pack. Two single blocks cost two
+// loads and two shuffles to widen and, at avx2, two shuffles and two lane-crossing vpermq to pack; the paired
+// loops ran faster (docs/performance.md, "bf16 elementwise rows", "Two blocks at once at avx2", "Pairs at
+// baseline"). The blocks come in lane order: at avx2 lo holds elements 0-3 and 8-11, hi 4-7 and 12-15 (the
+// unpacks work within each 128-bit half); at baseline lo holds 0-3 and hi 4-7, the order of the row
+// (kPairLanesInOrder). For elementwise kernels whose every bf16 input and output goes through these (the
+// lanes then line up); the values and bits are those of load and store.
+#if defined(__AVX2__)
+using PackedPair = __m256i;
 inline void load_bf16_pair(const BFloat16* p, VF& lo, VF& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   lo = (VF)_mm256_unpacklo_epi16(_mm256_setzero_si256(), v);
@@ -295,7 +308,7 @@ inline void load_bf16_pair(const BFloat16* p, VF& lo, VF& hi) {
 /// 16 bf16 packed in order in r, stored; streamed as two 16-byte halves when Stream (p aligned as can_stream
 /// checks).
 template <bool Stream>
-inline void store_packed_pair(BFloat16* p, __m256i r) {
+inline void store_packed_pair(BFloat16* p, PackedPair r) {
   if constexpr (Stream) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(r));
     _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_extracti128_si256(r, 1));
@@ -310,15 +323,36 @@ inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
   store_packed_pair<Stream>(p, _mm256_packus_epi32(_mm256_srli_epi32((__m256i)bf16_round_high(lo), 16),
                                                    _mm256_srli_epi32((__m256i)bf16_round_high(hi), 16)));
 }
+#else
+using PackedPair = __m128i;
+inline void load_bf16_pair(const BFloat16* p, VF& lo, VF& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = (VF)_mm_unpacklo_epi16(_mm_setzero_si128(), v);
+  hi = (VF)_mm_unpackhi_epi16(_mm_setzero_si128(), v);
+}
+/// 8 bf16 packed in order in r, stored (16-bit types are not streamed at baseline: kStreamable).
+template <bool Stream>
+inline void store_packed_pair(BFloat16* p, PackedPair r) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), r);
+}
+/// Rounds lo and hi and stores the 8 elements in order: SSE2 has no unsigned pack, so each lane's rounded
+/// high half is shifted down arithmetically (a value within int16) and packed with signed saturation, which
+/// leaves it unchanged, as store_native does for one block.
+template <bool Stream>
+inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
+  store_packed_pair<Stream>(p, _mm_packs_epi32(_mm_srai_epi32((__m128i)bf16_round_high(lo), 16),
+                                               _mm_srai_epi32((__m128i)bf16_round_high(hi), 16)));
+}
+#endif
 #endif
 
-/// The paired blocks of a bf16 row at avx2 (load_bf16_pair, store_bf16_pair): calls pair(i) for i = 0,
-/// 2 kBlock, ... while two blocks fit below nb and returns where the single blocks resume; at the other
+/// The paired blocks of a bf16 row below AVX-512 (load_bf16_pair, store_bf16_pair): calls pair(i) for i = 0,
+/// 2 kBlock, ... while two blocks fit below nb and returns where the single blocks resume; at the AVX-512
 /// levels and for other types it calls nothing and returns 0. pair takes its index as `auto`, so its body
-/// (which names the avx2-only pair functions) is compiled only where it runs.
+/// (which names the pair functions) is compiled only where it runs.
 template <class T, class Pair>
 inline int64_t paired_bf16_blocks(int64_t nb, Pair&& pair) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if !defined(__AVX512F__)
   if constexpr (std::is_same_v<T, BFloat16>) {
     int64_t i = 0;
     for (; i + 2 * kBlock <= nb; i += 2 * kBlock) pair(i);
