@@ -183,6 +183,19 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
   }
 }
 
+// g = round_X(dy * w), the first pass's product. Where y has x's type, so do the weight's values (y's type is
+// the promotion of x's and the weight's) and dy's: the product is arithmetic on X values and its rounding
+// needs no NaN select (round_block_arith; a NaN g reaches only the row's dot product and dx, whose stores
+// write every NaN as one). An fp32 weight can hold any NaN: round_block.
+template <class X, class Y, class V>
+inline V round_grad(V v) {
+  if constexpr (std::is_same_v<Y, X>) {
+    return round_block_arith<X>(v);
+  } else {
+    return round_block<X>(v);
+  }
+}
+
 // Scalar math (g is the gradient reaching round_X(h * r), rounded to X as the eager autograd does):
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
 // With Add (the fused residual add's backward), the residual stream's gradient joins as eager's autograd
@@ -208,7 +221,7 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       if constexpr (Add) prefetch(dsr + i);
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
-      V g = round_block<X>(d * load<A>(w + i));
+      const V g = round_grad<X, Y>(d * load<A>(w + i));
       a = madd(g, h, a);
       store(dw + i, madd(d, round_block<X>(h * rs), load<A>(dw + i)));
       if constexpr (kPairedBf16<X>) {

@@ -186,6 +186,25 @@ void bf16_nan_has_torchs_bits(const Case& c) {
   expect_torchs_nans(kernmap::rms_norm(x, w, 1e-6), kernmap::reference::rms_norm(x, w, 1e-6), "rms_norm");
 }
 
+// rms_norm's backward under an fp32 weight holding NaNs whose low 16 bits are set (0x7fffffff, 0xffffffff):
+// g = dy * w rounded to x's dtype must stay NaN, so every dx of the row is NaN (the row's dot product carries
+// it), while the weight's gradient, which the weight does not enter, stays finite. A rounding without the NaN
+// select (round_block_arith, right for products of x-typed values) would carry out of such a mantissa and
+// make g a zero.
+void rms_norm_backward_keeps_weight_nans(const Case& c) {
+  const int64_t n = 37;
+  const at::Tensor x = randn({3, n}, c.dtype).requires_grad_(true);
+  at::Tensor w0 = at::randn({n}, at::kFloat);
+  w0.view(at::kInt)[5] = 0x7fffffff;
+  w0.view(at::kInt)[20] = static_cast<int32_t>(0xffffffffu);
+  const at::Tensor w = w0.requires_grad_(true);
+  const at::Tensor y = kernmap::rms_norm(x, w, 1e-6);
+  ASSERT_EQ(y.scalar_type(), at::kFloat);
+  torch::autograd::backward({y}, {at::ones_like(y)});
+  EXPECT_TRUE(x.grad().isnan().all().item<bool>()) << "dx: NaN in every element";
+  EXPECT_TRUE(w.grad().isfinite().all().item<bool>()) << "dw = sum(dy * normed x) holds no weight";
+}
+
 namespace {
 
 // The smallest normal and the largest finite value of a floating dtype.

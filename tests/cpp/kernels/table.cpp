@@ -230,6 +230,11 @@ const std::vector<Row>& kernel_table() {
        .dtypes = {at::kBFloat16},
        // vcvtneps2bf16 keeps a NaN's sign and payload (vec.h)
        .skip = [](const Case& c) { return c.level >= kernmap::cpu::Level::kAvx512Bf16; }},
+      {.op = "rms_norm_backward_weight_nans",
+       .shapes = {Shape{}},
+       .layouts = {""},
+       .check = rms_norm_backward_keeps_weight_nans,
+       .dtypes = {at::kBFloat16, at::kHalf}},
       {.op = "bf16_silu_every_gate",
        .shapes = grid({{"n", {256, 1031}}}),
        .layouts = {""},
