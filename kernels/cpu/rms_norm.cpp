@@ -4,6 +4,7 @@
 // 32 KiB). Compiled with -ffp-contract=off: every multiply-add is an explicit madd/nmadd, so the fused
 // residual add's outputs have the bits of the plain pass's at every level (GCC fused `ss += v * v` in one
 // instantiation and not in the other at avx2).
+#include <limits>
 #include <vector>
 
 #include "kernels/cpu/vec.h"
@@ -183,10 +184,13 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
   }
 }
 
-// g = round_X(dy * w), the first pass's product. Where y has x's type, so do the weight's values (y's type is
-// the promotion of x's and the weight's) and dy's: the product is arithmetic on X values and its rounding
-// needs no NaN select (round_block_arith; a NaN g reaches only the row's dot product and dx, whose stores
-// write every NaN as one). An fp32 weight can hold any NaN: round_block.
+// The first pass's roundings, g = round_X(dy * w) and round_X(h * r), where y has x's type: the weight's
+// values then have x's type too (y's type is the promotion of x's and the weight's), as do dy's and h's, and
+// r is made of them (a NaN r is made the default NaN, bwd_rows), so each product is arithmetic on X values
+// and its rounding needs no NaN select (round_block_arith, which differs from round_block for bf16 alone). A
+// NaN g reaches only the row's dot product and dx, whose stores write every NaN as one; a NaN round_X(h * r)
+// reaches dw's partial sums, which the op converts to the weight's type, bf16 here, where torch writes every
+// NaN as 0xffff. An fp32 weight can hold any NaN, and dw is then fp32 with its NaNs' payloads: round_block.
 template <class X, class Y, class V>
 inline V round_grad(V v) {
   if constexpr (std::is_same_v<Y, X>) {
@@ -216,14 +220,16 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     const X* xr = x + r * xs;
     X* dxr = dx + r * H;
     const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
-    const A rs = rstd[r];
+    // rstd is an input of the backward ops: a NaN of any payload becomes the default NaN, whose low bits the
+    // arithmetic roundings of its products (round_grad, the residual's dx) cannot carry out of.
+    const A rs = rstd[r] == rstd[r] ? rstd[r] : std::numeric_limits<A>::quiet_NaN();
     const V acc = accumulate_blocks<V>(Hb, [&](int64_t i, V& a) {
       if constexpr (Add) prefetch(dsr + i);
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
       const V g = round_grad<X, Y>(d * load<A>(w + i));
       a = madd(g, h, a);
-      store(dw + i, madd(d, round_block<X>(h * rs), load<A>(dw + i)));
+      store(dw + i, madd(d, round_grad<X, Y>(h * rs), load<A>(dw + i)));
       if constexpr (kPairedBf16<X>) {
         if (i < Hp) return store_pair_lanes(grow, i, g);
       }
@@ -252,7 +258,7 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
         if constexpr (Add) {
           VF ds[2];
           load_bf16_pair(dsr + p, ds[0], ds[1]);
-          for (int k = 0; k < 2; ++k) v[k] = round_block<X>(v[k]) + ds[k];
+          for (int k = 0; k < 2; ++k) v[k] = round_block_arith<X>(v[k]) + ds[k];
         }
         store_bf16_pair<Stream>(dxr + p, v[0], v[1]);
       });
@@ -262,8 +268,8 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       prefetch(x + rn * xs + i);
       V h = load<A>(xr + i);
       V g = load<A>(grow + i);
-      if constexpr (Add) {
-        store_out<Stream>(dxr + i, round_block<X>(nmadd(V{} + c, h, rs * g)) + load<A>(dsr + i));
+      if constexpr (Add) {  // c, h, r and g hold X values or the default NaN: round_block_arith
+        store_out<Stream>(dxr + i, round_block_arith<X>(nmadd(V{} + c, h, rs * g)) + load<A>(dsr + i));
       } else {
         store_out<Stream>(dxr + i, nmadd(V{} + c, h, rs * g));
       }

@@ -63,6 +63,7 @@ std::vector<at::Tensor> add_rms_norm_inputs(const Case& c, at::ScalarType weight
 void add_rms_norm_has_the_bits_of_the_add_then_rms_norm(const Case& c);
 /// Sizes rows, H.
 void add_rms_norm_backward_is_rms_norm_backward_plus_the_residual_gradient(const Case& c);
+void rms_norm_backward_rstd_nans(const Case& c);
 void add_rms_norm_same_bits_at_any_thread_count(const Case& c);
 /// Sizes H; layouts "aligned", "offset1".
 void add_rms_norm_streaming_stores_write_the_same_bits(const Case& c);

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -264,6 +265,40 @@ void add_rms_norm_backward_is_rms_norm_backward_plus_the_residual_gradient(const
   auto [dn, dwn] = rms_bwd.call(gy, s, w, rstd);
   EXPECT_TRUE(same_bits(dx, dn + gs)) << "dx";
   EXPECT_TRUE(same_bits(dw, dwn)) << "dw";
+}
+
+// The backward ops take rstd as an input: a NaN in it, whatever its payload (0x7fffffff has the low 16 bits a
+// rounding without the NaN select would carry out of), gives its row NaN gradients, dx and the weight
+// gradient, with and without the residual's gradient added. The kernels make a NaN rstd the default NaN
+// before their roundings of its products.
+void rms_norm_backward_rstd_nans(const Case& c) {
+  const int64_t rows = 3, H = 37;
+  const at::Tensor x = randn({rows, H}, c.dtype), r = randn({rows, H}, c.dtype);
+  const at::Tensor w = norm_weight(H, c.dtype);
+  const at::Tensor gy = randn({rows, H}, c.dtype), gs = randn({rows, H}, c.dtype);
+  static auto fwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("kernmap::add_rms_norm_forward");
+  static auto bwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+      "kernmap::add_rms_norm_backward");
+  static auto rms_bwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+      "kernmap::rms_norm_backward");
+  auto [y, s, rstd] = fwd.call(x, r, w, 1e-6);
+  at::Tensor bad = rstd.clone();
+  if (bad.scalar_type() == at::kDouble)
+    bad.view(at::kLong)[1] = std::numeric_limits<int64_t>::max();
+  else
+    bad.view(at::kInt)[1] = 0x7fffffff;
+  auto [dx, dw] = bwd.call(gy, gs, s, w, bad);
+  auto [dn, dwn] = rms_bwd.call(gy, s, w, bad);
+  for (const auto& [g, what] : {std::pair{dx, "add_rms_norm dx"}, std::pair{dn, "rms_norm dx"}}) {
+    EXPECT_TRUE(g[1].isnan().all().item<bool>()) << what << ": NaN in the NaN rstd's row";
+    EXPECT_FALSE(g[0].isnan().any().item<bool>() || g[2].isnan().any().item<bool>())
+        << what << ": other rows";
+  }
+  EXPECT_TRUE(dw.isnan().all().item<bool>()) << "add_rms_norm dw";
+  EXPECT_TRUE(dwn.isnan().all().item<bool>()) << "rms_norm dw";
 }
 
 // Each row is normed by one task and dW summed in one order whatever the thread count: the same bits at 1, 2
