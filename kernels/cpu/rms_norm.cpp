@@ -85,10 +85,54 @@ inline void store_pair_lanes(float* row, int64_t i, VF v) {
   store(row + i, v);
 #endif
 }
+// Two float blocks a, b (elements 0-7 and 8-15 of a pair at avx2) into the pairs' lane order (u: elements
+// 0-3 and 8-11, v: 4-7 and 12-15), and back: the same two lane-crossing shuffles either way. At baseline the
+// pairs' lane order is the row's: u = a, v = b.
+inline void swap_pair_lanes(VF a, VF b, VF& u, VF& v) {
+#if defined(__AVX2__)
+  u = _mm256_permute2f128_ps(a, b, 0x20);
+  v = _mm256_permute2f128_ps(a, b, 0x31);
+#else
+  u = a;
+  v = b;
+#endif
+}
+// A float row's first n elements (n a multiple of 2 kBlock) into the pairs' lane order or back, in place.
+inline void swap_row_pair_lanes(float* row, int64_t n) {
+  if constexpr (!kPairLanesInOrder) {
+    for (int64_t i = 0; i < n; i += 2 * kBlock) {
+      VF u, v;
+      swap_pair_lanes(load<float>(row + i), load<float>(row + i + kBlock), u, v);
+      store(row + i, u);
+      store(row + i + kBlock, v);
+    }
+  }
+}
+
+// accumulate_blocks with each group's blocks taken two at a time in the pairs' lane order (load_bf16_pair):
+// pair(i, lo, hi) adds blocks i and i + kBlock into two accumulators whose lanes hold the same elements, in
+// the same order, as accumulate_blocks' two (swapped back by swap_pair_lanes after the groups); the blocks
+// after the last group go to step(i, acc) as there. The same sums, so the same bits.
+template <class Pair, class Step>
+inline VF accumulate_pairs(int64_t Hb, Pair&& pair, Step&& step) {
+  VF p[4] = {}, acc[4];
+  int64_t i = 0;
+  for (; i + 4 * kBlock <= Hb; i += 4 * kBlock) {
+    pair(i, p[0], p[1]);
+    pair(i + 2 * kBlock, p[2], p[3]);
+  }
+  swap_pair_lanes(p[0], p[1], acc[0], acc[1]);
+  swap_pair_lanes(p[2], p[3], acc[2], acc[3]);
+  for (; i < Hb; i += kBlock) step(i, acc[0]);
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
 #else
 template <class X>
 inline constexpr bool kPairedBf16 = false;
 #endif
+// The backward's first pass in pairs (accumulate_pairs): bf16 x with dy of its type.
+template <class X, class Y>
+inline constexpr bool kPairedFirstPass = kPairedBf16<X> ? std::is_same_v<Y, X> : false;
 
 // The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X), fetching the row
 // the first pass reads next (the first pass is light enough to run at memory speed; this one is not). h and
@@ -205,7 +249,7 @@ inline V round_grad(V v) {
 // With Add (the fused residual add's backward), the residual stream's gradient joins as eager's autograd
 // accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's) and parks
 // g in the thread's row buffer for the second (bf16 below AVX-512: in the pairs' lane order,
-// store_pair_lanes).
+// store_pair_lanes). With bf16 x and dy below AVX-512 the first pass runs in pairs too (kPairedFirstPass).
 template <bool Add, bool Stream, class X, class Y>
 void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
               const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
@@ -214,6 +258,14 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
   const int64_t Hb = H - H % kBlock;
   const int64_t Hp = H - H % (2 * kBlock);  // the paired blocks' end (kPairedBf16)
   A* grow = row_scratch<A>(H);
+  // The first pass in pairs (kPairedFirstPass): the weight and, for the groups of accumulate_pairs, dw in the
+  // pairs' lane order for the call (dw swapped back at its end).
+  const int64_t Hg = Hb - Hb % (4 * kBlock);
+  const A* wp = nullptr;
+  if constexpr (kPairedFirstPass<X, Y>) {
+    wp = pair_order<X, Y>(w, H);
+    swap_row_pair_lanes(dw, Hg);
+  }
   for (int64_t r = r0; r < r1; ++r) {
     const Y* dyr = dy + r * dys;
     const X* dsr = Add ? d_sum + r * d_sum_s : nullptr;
@@ -223,7 +275,7 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     // rstd is an input of the backward ops: a NaN of any payload becomes the default NaN, whose low bits the
     // arithmetic roundings of its products (round_grad, the residual's dx) cannot carry out of.
     const A rs = rstd[r] == rstd[r] ? rstd[r] : std::numeric_limits<A>::quiet_NaN();
-    const V acc = accumulate_blocks<V>(Hb, [&](int64_t i, V& a) {
+    const auto step = [&](int64_t i, V& a) {
       if constexpr (Add) prefetch(dsr + i);
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
@@ -234,7 +286,29 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
         if (i < Hp) return store_pair_lanes(grow, i, g);
       }
       store(grow + i, g);
-    });
+    };
+    V acc;
+    if constexpr (kPairedFirstPass<X, Y>) {
+      acc = accumulate_pairs(
+          Hb,
+          [&](auto p, VF& a0, VF& a1) {
+            if constexpr (Add) prefetch(dsr + p);
+            VF h[2], d[2], g[2];
+            load_bf16_pair(xr + p, h[0], h[1]);
+            load_bf16_pair(dyr + p, d[0], d[1]);
+            for (int k = 0; k < 2; ++k) g[k] = round_grad<X, Y>(d[k] * load<float>(wp + p + k * kBlock));
+            a0 = madd(g[0], h[0], a0);
+            a1 = madd(g[1], h[1], a1);
+            for (int k = 0; k < 2; ++k) {
+              float* at = dw + p + k * kBlock;
+              store(at, madd(d[k], round_grad<X, Y>(h[k] * rs), load<float>(at)));
+              store(grow + p + k * kBlock, g[k]);
+            }
+          },
+          step);
+    } else {
+      acc = accumulate_blocks<V>(Hb, step);
+    }
     A dot = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
       A h = to_acc<A>(xr[i]);
@@ -279,6 +353,9 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       if constexpr (Add) v = round_to<X>(v) + to_acc<A>(dsr[i]);
       dxr[i] = from_acc<X>(v);
     }
+  }
+  if constexpr (kPairedFirstPass<X, Y>) {
+    swap_row_pair_lanes(dw, Hg);
   }
 }
 

@@ -205,6 +205,26 @@ void rms_norm_backward_keeps_weight_nans(const Case& c) {
   EXPECT_TRUE(w.grad().isfinite().all().item<bool>()) << "dw = sum(dy * normed x) holds no weight";
 }
 
+// rms_norm's backward has one math whatever the weight's dtype: with a bf16 weight (the first pass in the
+// pairs' lane order below AVX-512, accumulate_pairs) and with the same values as an fp32 weight and an fp32
+// grad_y (single blocks), dx has the same bits and dw the same before its conversion to the weight's dtype —
+// so the pairs' sums run in the single blocks' order. Rows enough that each call of the kernel takes several
+// (dw accumulated across them in the pairs' lane order), widths with and without blocks after the last group.
+void rms_norm_backward_same_bits_for_either_weight_dtype(const Case& c) {
+  static auto fwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, double)>("kernmap::rms_norm_forward");
+  static auto bwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+      "kernmap::rms_norm_backward");
+  const int64_t rows = 70, H = c["H"];
+  const at::Tensor x = randn({rows, H}, c.dtype), w = norm_weight(H, c.dtype), gy = randn({rows, H}, c.dtype);
+  auto [y, rstd] = fwd.call(x, w, 1e-6);
+  auto [dx, dw] = bwd.call(gy, x, w, rstd);
+  auto [dx32, dw32] = bwd.call(gy.to(at::kFloat), x, w.to(at::kFloat), rstd);
+  EXPECT_TRUE(same_bits(dx, dx32)) << "dx";
+  EXPECT_TRUE(same_bits(dw, dw32.to(c.dtype))) << "dw";
+}
+
 namespace {
 
 // The smallest normal and the largest finite value of a floating dtype.

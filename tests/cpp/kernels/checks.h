@@ -23,6 +23,8 @@ void silu_handles_extreme_inputs(const Case& c);
 void bf16_nan_has_torchs_bits(const Case& c);
 /// 16-bit dtypes.
 void rms_norm_backward_keeps_weight_nans(const Case& c);
+/// Sizes H; 16-bit dtypes.
+void rms_norm_backward_same_bits_for_either_weight_dtype(const Case& c);
 /// Sizes n.
 void bf16_silu_is_its_float_math_rounded(const Case& c);
 void empty_inputs(const Case& c);
