@@ -245,6 +245,32 @@ void add_rms_norm_has_the_bits_of_the_add_then_rms_norm(const Case& c) {
   }
 }
 
+namespace {
+
+// add_rms_norm's forward (normed, sum, rstd) and the backward ops of add_rms_norm and rms_norm, called
+// through their schemas.
+using AddRmsNormForward = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                         const at::Tensor&, double);
+using AddRmsNormBackward = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&);
+using RmsNormBackward = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                           const at::Tensor&, const at::Tensor&);
+struct NormOps {
+  c10::TypedOperatorHandle<AddRmsNormForward> fwd =
+      kernmap::ops::op_handle<AddRmsNormForward>("kernmap::add_rms_norm_forward");
+  c10::TypedOperatorHandle<AddRmsNormBackward> bwd =
+      kernmap::ops::op_handle<AddRmsNormBackward>("kernmap::add_rms_norm_backward");
+  c10::TypedOperatorHandle<RmsNormBackward> rms_bwd =
+      kernmap::ops::op_handle<RmsNormBackward>("kernmap::rms_norm_backward");
+};
+const NormOps& norm_ops() {
+  static const NormOps ops;
+  return ops;
+}
+
+}  // namespace
+
 // The fused backward is RMSNorm's backward on the sum plus the residual gradient, rounded as eager's
 // autograd rounds the accumulation: bit for bit.
 void add_rms_norm_backward_is_rms_norm_backward_plus_the_residual_gradient(const Case& c) {
@@ -252,14 +278,7 @@ void add_rms_norm_backward_is_rms_norm_backward_plus_the_residual_gradient(const
   const at::Tensor x = randn({rows, H}, c.dtype), r = randn({rows, H}, c.dtype);
   const at::Tensor w = norm_weight(H, c.dtype);
   const at::Tensor gy = randn({rows, H}, c.dtype), gs = randn({rows, H}, c.dtype);
-  static auto fwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("kernmap::add_rms_norm_forward");
-  static auto bwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-      "kernmap::add_rms_norm_backward");
-  static auto rms_bwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-      "kernmap::rms_norm_backward");
+  const auto& [fwd, bwd, rms_bwd] = norm_ops();
   auto [y, s, rstd] = fwd.call(x, r, w, 1e-6);
   auto [dx, dw] = bwd.call(gy, gs, s, w, rstd);
   auto [dn, dwn] = rms_bwd.call(gy, s, w, rstd);
@@ -276,14 +295,7 @@ void rms_norm_backward_rstd_nans(const Case& c) {
   const at::Tensor x = randn({rows, H}, c.dtype), r = randn({rows, H}, c.dtype);
   const at::Tensor w = norm_weight(H, c.dtype);
   const at::Tensor gy = randn({rows, H}, c.dtype), gs = randn({rows, H}, c.dtype);
-  static auto fwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("kernmap::add_rms_norm_forward");
-  static auto bwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-      "kernmap::add_rms_norm_backward");
-  static auto rms_bwd = kernmap::ops::op_handle<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-      "kernmap::rms_norm_backward");
+  const auto& [fwd, bwd, rms_bwd] = norm_ops();
   auto [y, s, rstd] = fwd.call(x, r, w, 1e-6);
   at::Tensor bad = rstd.clone();
   if (bad.scalar_type() == at::kDouble)
