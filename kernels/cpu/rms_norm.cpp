@@ -139,12 +139,24 @@ inline constexpr bool kPairedFirstPass = kPairedBf16<X> ? std::is_same_v<Y, X> :
 // r are made of X elements and the finite eps alone, so the rounding needs no NaN select (round_block_arith);
 // the weight, a float of any value, comes after it. bf16 in and out below AVX-512 (wp: the weight in the
 // pairs' lane order, pair_order): two blocks at once, one load and one packing for both (paired_bf16_blocks);
-// the same values as the single blocks.
+// the same values as the single blocks. The fused residual's float row (bf16 x and y) is read in pairs too,
+// parked by its first pass in the pairs' lane order.
 template <bool Stream, class X, class S, class N, class Y>
 void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* wp, Y* y, Acc<X> rs,
                    int64_t H) {
   const int64_t Hb = H - H % kBlock;
   int64_t i = 0;
+  if constexpr (std::is_same_v<S, Source<false, float>> && std::is_same_v<X, BFloat16> &&
+                std::is_same_v<Y, BFloat16>) {
+    if (wp) {
+      i = paired_bf16_blocks<Y>(Hb, [&](auto p) {
+        next.prefetch_block(p);
+        const VF lo = round_block_arith<X>(load<float>(src.x + p) * rs);
+        const VF hi = round_block_arith<X>(load<float>(src.x + p + kBlock) * rs);
+        store_bf16_pair<Stream>(y + p, load<float>(wp + p) * lo, load<float>(wp + p + kBlock) * hi);
+      });
+    }
+  }
   if constexpr (std::is_same_v<S, Source<false, BFloat16>> && std::is_same_v<Y, BFloat16>) {
     if (wp) {
       i = paired_bf16_blocks<Y>(Hb, [&](auto p) {
@@ -185,30 +197,64 @@ const Acc<X>* pair_order(const Acc<X>* w, int64_t H) {
 //   r = 1 / sqrt(sum(h^2) / H + eps); n = round_X(h * r); y = round_Y(w * n)
 // With Add, the bits of y and rstd are those of the plain pass over sum. Its second pass reads the sum row
 // from the thread's row buffer, where the first pass left it in the accumulation type: no second read of x
-// and res, no conversion, and the sum can be streamed out like y.
+// and res, no conversion, and the sum can be streamed out like y. bf16 below AVX-512 (kPairedFirstPass), both
+// passes run in pairs, the row buffer in the pairs' lane order; the first pass's sums in accumulate_blocks'
+// order (accumulate_pairs), so the bits stay the plain pass's.
 template <bool Add, bool Stream, class X, class Y>
 void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>* w, Y* y, X* sum,
               Acc<X>* rstd, int64_t r0, int64_t r1, int64_t H, double eps) {
   using A = Acc<X>;
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
+  const int64_t Hp = H - H % (2 * kBlock);  // the paired blocks' end (kPairedBf16)
   A* hrow = Add ? row_scratch<A>(H) : nullptr;
-  const A* wp = Add ? nullptr : pair_order<X, Y>(w, H);
+  // The fused residual's passes in pairs (kPairedFirstPass: bf16 x, res, sum and y): the sum row parked in
+  // the pairs' lane order, the weight too.
+  constexpr bool kPairedAdd = Add && kPairedFirstPass<X, Y>;
+  const A* wp = (!Add || kPairedAdd) ? pair_order<X, Y>(w, H) : nullptr;
   for (int64_t r = r0; r < r1; ++r) {
     const Source<Add, X> src{x + r * xs, Add ? res + r * res_s : nullptr};
     const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
     const Source<Add, X> next{x + rn * xs, Add ? res + rn * res_s : nullptr};
     Y* yr = y + r * H;
     X* sr = Add ? sum + r * H : nullptr;
-    const V acc = accumulate_blocks<V>(Hb, [&](int64_t i, V& a) {
+    // The fused residual's rounded sum into the row buffer (kPairedAdd: below Hp in the pairs' lane order).
+    const auto park = [&](int64_t i, V h) {
+      if constexpr (kPairedAdd) {
+        if (i < Hp) return store_pair_lanes(hrow, i, h);
+      }
+      store(hrow + i, h);
+    };
+    const auto step = [&](int64_t i, V& a) {
       V h = src.block(i);
       if constexpr (Add) {
         store_out<Stream>(sr + i, h);
         h = round_block_arith<X>(h);
-        store(hrow + i, h);
+        park(i, h);
       }
       a = madd(h, h, a);
-    });
+    };
+    V acc;
+    if constexpr (kPairedAdd) {
+      acc = accumulate_pairs(
+          Hb,
+          [&](auto p, VF& a0, VF& a1) {
+            VF xv[2], rv[2], h[2];
+            load_bf16_pair(src.x + p, xv[0], xv[1]);
+            load_bf16_pair(src.res + p, rv[0], rv[1]);
+            for (int k = 0; k < 2; ++k) h[k] = xv[k] + rv[k];
+            store_bf16_pair<Stream>(sr + p, h[0], h[1]);
+            for (int k = 0; k < 2; ++k) {
+              h[k] = round_block_arith<X>(h[k]);
+              store(hrow + p + k * kBlock, h[k]);
+            }
+            a0 = madd(h[0], h[0], a0);
+            a1 = madd(h[1], h[1], a1);
+          },
+          step);
+    } else {
+      acc = accumulate_blocks<V>(Hb, step);
+    }
     A ss = lane_sum(acc);
     for (int64_t i = Hb; i < H; ++i) {
       A v = src.at(i);
@@ -221,7 +267,7 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
     const A rs = A(1) / std::sqrt(ss / static_cast<A>(H) + static_cast<A>(eps));
     rstd[r] = rs;
     if constexpr (Add) {
-      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, next, w, nullptr, yr, rs, H);
+      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, next, w, wp, yr, rs, H);
     } else {
       normalize_row<Stream, X>(src, next, w, wp, yr, rs, H);
     }
