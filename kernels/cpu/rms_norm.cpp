@@ -134,6 +134,21 @@ inline constexpr bool kPairedBf16 = false;
 template <class X, class Y>
 inline constexpr bool kPairedFirstPass = kPairedBf16<X> ? std::is_same_v<Y, X> : false;
 
+// The rows normalize_row reads in pairs for bf16 x and y: x itself, or the fused residual's float row parked
+// in the pairs' lane order; load_pair reads two blocks of either in that order.
+template <class X, class S, class Y>
+inline constexpr bool kPairedSource = kPairedFirstPass<X, Y> && (std::is_same_v<S, Source<false, BFloat16>> ||
+                                                                 std::is_same_v<S, Source<false, float>>);
+template <class Pair>
+inline void load_pair(const BFloat16* p, Pair& lo, Pair& hi) {
+  load_bf16_pair(p, lo, hi);
+}
+template <class Pair>
+inline void load_pair(const float* p, Pair& lo, Pair& hi) {
+  lo = load<float>(p);
+  hi = load<float>(p + kBlock);
+}
+
 // The second pass: y = round_Y(w * round_X(h * r)) for the row h of src (rounding to X), fetching the row
 // the first pass reads next (the first pass is light enough to run at memory speed; this one is not). h and
 // r are made of X elements and the finite eps alone, so the rounding needs no NaN select (round_block_arith);
@@ -146,23 +161,12 @@ void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* w
                    int64_t H) {
   const int64_t Hb = H - H % kBlock;
   int64_t i = 0;
-  if constexpr (std::is_same_v<S, Source<false, float>> && std::is_same_v<X, BFloat16> &&
-                std::is_same_v<Y, BFloat16>) {
-    if (wp) {
-      i = paired_bf16_blocks<Y>(Hb, [&](auto p) {
-        next.prefetch_block(p);
-        const VF lo = round_block_arith<X>(load<float>(src.x + p) * rs);
-        const VF hi = round_block_arith<X>(load<float>(src.x + p + kBlock) * rs);
-        store_bf16_pair<Stream>(y + p, load<float>(wp + p) * lo, load<float>(wp + p + kBlock) * hi);
-      });
-    }
-  }
-  if constexpr (std::is_same_v<S, Source<false, BFloat16>> && std::is_same_v<Y, BFloat16>) {
+  if constexpr (kPairedSource<X, S, Y>) {
     if (wp) {
       i = paired_bf16_blocks<Y>(Hb, [&](auto p) {
         next.prefetch_block(p);
         VF lo, hi;
-        load_bf16_pair(src.x + p, lo, hi);
+        load_pair(src.x + p, lo, hi);
         lo = round_block_arith<X>(lo * rs);
         hi = round_block_arith<X>(hi * rs);
         store_bf16_pair<Stream>(y + p, load<float>(wp + p) * lo, load<float>(wp + p + kBlock) * hi);
@@ -209,9 +213,9 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
   const int64_t Hp = H - H % (2 * kBlock);  // the paired blocks' end (kPairedBf16)
   A* hrow = Add ? row_scratch<A>(H) : nullptr;
   // The fused residual's passes in pairs (kPairedFirstPass: bf16 x, res, sum and y): the sum row parked in
-  // the pairs' lane order, the weight too.
+  // the pairs' lane order, as the weight is (pair_order, null where nothing runs in pairs).
   constexpr bool kPairedAdd = Add && kPairedFirstPass<X, Y>;
-  const A* wp = (!Add || kPairedAdd) ? pair_order<X, Y>(w, H) : nullptr;
+  const A* wp = pair_order<X, Y>(w, H);
   for (int64_t r = r0; r < r1; ++r) {
     const Source<Add, X> src{x + r * xs, Add ? res + r * res_s : nullptr};
     const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
