@@ -5,7 +5,7 @@
 // size: b in nn.Linear layout (K-contiguous) goes to gemm_nt for groups under the level's gemm_nt_blas_rows,
 // to BLAS from there; b with N-contiguous rows (the backward's grad @ W) and the weight gradients go to the
 // outer-product kernel gemm_bcast (bf16 groups of kBf16BlasRows rows or more: BLAS); other layouts, and
-// float64, are BLAS products per tile.
+// float64, are products per tile (BLAS; float64 by a loop, product below).
 #include "ops/grouped_mm.h"
 
 #include <ATen/ATen.h>
@@ -254,7 +254,8 @@ void check_offs(const char* op, const at::Tensor& offs, int64_t E, int64_t T, co
 }
 
 // The kernels read a row-major operand in place when its last dimension is contiguous; other layouts (and
-// float64, which only the gradient checks use) go through one BLAS product per tile.
+// float64, which only the gradient checks use) go through one product per tile (product: BLAS, or a loop for
+// float64).
 bool kernel_dtype(const at::Tensor& t) {
   return t.scalar_type() != at::kDouble;
 }
@@ -276,10 +277,37 @@ bool blas_group(at::ScalarType t, int64_t rows) {
   return t == at::kBFloat16 && rows >= kBf16BlasRows && cpu::bf16_gemm_native();
 }
 
-// out[rows, cols of t] = a[rows of t] @ b[t.group][:, cols of t], one BLAS call.
+// dst = a @ b: one BLAS call, except for float64, whose products are a plain loop that adds the terms in
+// a's column order. torch's BLAS on x86 is MKL, whose dgemm gave other bits on one thread than inside the
+// two-thread tasks on an Intel AVX-512 CPU (xeon-amx-vm, the weight gradient's tiles of K70 N131 and K300
+// N40; unless MKL_CBWR asked for strict reproducibility), and the tasks' results must not depend on the
+// thread count; float64 is the gradient checks' dtype, where speed does not matter.
+void product(at::Tensor dst, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != at::kDouble) {
+    at::mm_out(dst, a, b);
+    return;
+  }
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  const int64_t as0 = a.stride(0), as1 = a.stride(1), bs0 = b.stride(0), bs1 = b.stride(1);
+  const int64_t ds0 = dst.stride(0), ds1 = dst.stride(1);
+  const double* pa = a.const_data_ptr<double>();
+  const double* pb = b.const_data_ptr<double>();
+  double* pd = dst.data_ptr<double>();
+  for (int64_t i = 0; i < M; ++i) {
+    double* row = pd + i * ds0;
+    for (int64_t j = 0; j < N; ++j) row[j * ds1] = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = pa[i * as0 + k * as1];
+      const double* bk = pb + k * bs0;
+      for (int64_t j = 0; j < N; ++j) row[j * ds1] += v * bk[j * bs1];
+    }
+  }
+}
+
+// out[rows, cols of t] = a[rows of t] @ b[t.group][:, cols of t] (product).
 void mm_task(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const Task& t) {
-  at::Tensor dst = out.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1);
-  at::mm_out(dst, a.slice(0, t.r0, t.r1), b.select(0, t.group).slice(1, t.c0, t.c1));
+  product(out.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1), a.slice(0, t.r0, t.r1),
+          b.select(0, t.group).slice(1, t.c0, t.c1));
 }
 
 at::Tensor grouped_mm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
@@ -406,12 +434,12 @@ at::Tensor grouped_weight_grad_cpu(const at::Tensor& x, const at::Tensor& y, con
   }
   for (int64_t e = 0; e < E; ++e)
     if (starts[e] == starts[e + 1]) out.select(0, e).zero_();
-  // Other layouts (fp32 and bf16: tiles of kBlasCols columns) and float64: one BLAS product per group x
-  // column tile.
+  // Other layouts (fp32 and bf16: tiles of kBlasCols columns) and float64: one product per group x column
+  // tile.
   run_tasks(backward_blas(x) ? blas_tiles(starts, N) : tile(starts, N, /*tile_rows=*/false),
             [&](const Task& t) {
-              at::Tensor dst = out.select(0, t.group).slice(1, t.c0, t.c1);
-              at::mm_out(dst, x.slice(0, t.r0, t.r1).t(), y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
+              product(out.select(0, t.group).slice(1, t.c0, t.c1), x.slice(0, t.r0, t.r1).t(),
+                      y.slice(0, t.r0, t.r1).slice(1, t.c0, t.c1));
             });
   return out;
 }
