@@ -31,8 +31,14 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
       T* yr = y + r * n;
       tabled_row(
           n, [&](int64_t c, int64_t m) { look_up_silu(xr + c, m, t.silu, e); },
-          [&](int64_t c, auto j) { copy_pair<Stream>(yr + c + j, e + j); },
-          [&](int64_t c, auto j) { std::memcpy(yr + c + j, e + j, kBlock * sizeof(T)); },
+          [&](int64_t c, auto j) {
+            fetch_ahead(xr + c + j);
+            copy_pair<Stream>(yr + c + j, e + j);
+          },
+          [&](int64_t c, auto j) {
+            fetch_ahead(xr + c + j);
+            std::memcpy(yr + c + j, e + j, kBlock * sizeof(T));
+          },
           [&](int64_t c, int64_t j) { yr[c + j] = e[j]; });
     }
     return;
@@ -43,10 +49,12 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
     T* yr = y + r * n;
     int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
       VF v[2];
+      fetch_ahead(xr + p);
       load_bf16_pair(xr + p, v[0], v[1]);
       store_bf16_pair<Stream>(yr + p, silu_rounded_to<T>(v[0]), silu_rounded_to<T>(v[1]));
     });
     for (; i < nb; i += kBlock) {
+      fetch_ahead(xr + i);
       auto v = load<A>(xr + i);
       store_out<Stream>(yr + i, silu_rounded_to<T>(v));
     }
@@ -85,12 +93,16 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
           n, [&](int64_t c, int64_t m) { look_up_grad(xr + c, m, t.grad, e); },
           [&](int64_t c, auto j) {
             VF d[2], f[2], unused[2];
+            fetch_ahead(xr + c + j);
+            fetch_ahead(dyr + c + j);
             load_bf16_pair(dyr + c + j, d[0], d[1]);
             load_grad_pair(e + j, f, unused);
             store_bf16_pair<Stream>(dxr + c + j, d[0] * f[0], d[1] * f[1]);
           },
           [&](int64_t c, auto j) {
             VF f, unused;
+            fetch_ahead(xr + c + j);
+            fetch_ahead(dyr + c + j);
             load_grad_block(e + j, f, unused);
             store_out<Stream>(dxr + c + j, load<A>(dyr + c + j) * f);
           },
@@ -105,11 +117,17 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
     T* dxr = dx + r * n;
     int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
       VF d[2], v[2];
+      fetch_ahead(dyr + p);
+      fetch_ahead(xr + p);
       load_bf16_pair(dyr + p, d[0], d[1]);
       load_bf16_pair(xr + p, v[0], v[1]);
       store_bf16_pair<Stream>(dxr + p, d[0] * dsilu(v[0]), d[1] * dsilu(v[1]));
     });
-    for (; i < nb; i += kBlock) store_out<Stream>(dxr + i, load<A>(dyr + i) * dsilu(load<A>(xr + i)));
+    for (; i < nb; i += kBlock) {
+      fetch_ahead(dyr + i);
+      fetch_ahead(xr + i);
+      store_out<Stream>(dxr + i, load<A>(dyr + i) * dsilu(load<A>(xr + i)));
+    }
     for (int64_t i = nb; i < n; ++i) dxr[i] = from_acc<T>(to_acc<A>(dyr[i]) * dsilu_scalar(to_acc<A>(xr[i])));
   }
 }
@@ -130,11 +148,17 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
           n, [&](int64_t c, int64_t m) { look_up_silu(gr + c, m, t.silu, e); },
           [&](int64_t c, auto j) {
             VF a[2], b[2];
+            fetch_ahead(gr + c + j);
+            fetch_ahead(ur + c + j);
             load_bf16_pair(e + j, a[0], a[1]);
             load_bf16_pair(ur + c + j, b[0], b[1]);
             store_bf16_pair<Stream>(yr + c + j, a[0] * b[0], a[1] * b[1]);
           },
-          [&](int64_t c, auto j) { store_out<Stream>(yr + c + j, load<A>(e + j) * load<A>(ur + c + j)); },
+          [&](int64_t c, auto j) {
+            fetch_ahead(gr + c + j);
+            fetch_ahead(ur + c + j);
+            store_out<Stream>(yr + c + j, load<A>(e + j) * load<A>(ur + c + j));
+          },
           [&](int64_t c, int64_t j) { yr[c + j] = from_acc<T>(to_acc<A>(e[j]) * to_acc<A>(ur[c + j])); });
     }
     return;
@@ -146,12 +170,16 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
     T* yr = y + r * n;
     int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
       VF a[2], b[2];
+      fetch_ahead(gr + p);
+      fetch_ahead(ur + p);
       load_bf16_pair(gr + p, a[0], a[1]);
       load_bf16_pair(ur + p, b[0], b[1]);
       store_bf16_pair<Stream>(yr + p, round_block_arith<T>(silu_rounded_to<T>(a[0])) * b[0],
                               round_block_arith<T>(silu_rounded_to<T>(a[1])) * b[1]);
     });
     for (; i < nb; i += kBlock) {
+      fetch_ahead(gr + i);
+      fetch_ahead(ur + i);
       auto a = load<A>(gr + i);
       store_out<Stream>(yr + i, round_block_arith<T>(silu_rounded_to<T>(a)) * load<A>(ur + i));
     }
@@ -189,6 +217,9 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
           n, [&](int64_t c, int64_t m) { look_up_grad(gr + c, m, t.grad, e); },
           [&](int64_t c, auto j) {
             VF d[2], b[2], s[2], f[2];
+            fetch_ahead(dyr + c + j);
+            fetch_ahead(gr + c + j);
+            fetch_ahead(ur + c + j);
             load_bf16_pair(dyr + c + j, d[0], d[1]);
             load_bf16_pair(ur + c + j, b[0], b[1]);
             load_grad_pair(e + j, f, s);
@@ -197,6 +228,9 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
                                     round_block_arith<T>(d[1] * b[1]) * f[1]);
           },
           [&](int64_t c, auto j) {
+            fetch_ahead(dyr + c + j);
+            fetch_ahead(gr + c + j);
+            fetch_ahead(ur + c + j);
             const VF d = load<A>(dyr + c + j);
             VF f, s;
             load_grad_block(e + j, f, s);
@@ -219,6 +253,9 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
     T* dur = du + r * dus;
     int64_t i = paired_bf16_blocks<T>(nb, [&](auto p) {
       VF d[2], a[2], b[2], u_grad[2], g_grad[2];
+      fetch_ahead(dyr + p);
+      fetch_ahead(gr + p);
+      fetch_ahead(ur + p);
       load_bf16_pair(dyr + p, d[0], d[1]);
       load_bf16_pair(gr + p, a[0], a[1]);
       load_bf16_pair(ur + p, b[0], b[1]);
@@ -227,6 +264,9 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
       store_bf16_pair<Stream>(dgr + p, g_grad[0], g_grad[1]);
     });
     for (; i < nb; i += kBlock) {
+      fetch_ahead(dyr + i);
+      fetch_ahead(gr + i);
+      fetch_ahead(ur + i);
       Vec<A> u_grad, g_grad;
       grads(load<A>(dyr + i), load<A>(gr + i), load<A>(ur + i), u_grad, g_grad);
       store_out<Stream>(dur + i, u_grad);

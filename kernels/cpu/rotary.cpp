@@ -29,6 +29,8 @@ void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
   // bf16 below AVX-512: two blocks a step, every input and output through the paired load and store (vec.h).
   const int64_t i0 = paired_bf16_blocks<X>(hb, [&](auto i) {
     VF x1[2], x2[2], ca[2], cb[2], sa[2], sb[2];
+    fetch_ahead(x + i);
+    fetch_ahead(x + h + i);
     load_bf16_pair(x + i, x1[0], x1[1]);
     load_bf16_pair(x + h + i, x2[0], x2[1]);
     load_bf16_pair(c + i, ca[0], ca[1]);
@@ -47,6 +49,8 @@ void rotary_row(const X* x, const X* c, const X* s, X* y, int64_t h) {
     store_bf16_pair<Stream>(y + h + i, hi[0], hi[1]);
   });
   for (int64_t i = i0; i < hb; i += kBlock) {
+    fetch_ahead(x + i);
+    fetch_ahead(x + h + i);
     const Vec<A> x1 = load<A>(x + i), x2 = load<A>(x + h + i);
     const Vec<A> sa = Backward ? -load<A>(s + h + i) : load<A>(s + i);
     const Vec<A> sb = Backward ? -load<A>(s + i) : load<A>(s + h + i);

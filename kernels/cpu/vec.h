@@ -371,6 +371,20 @@ inline void prefetch(const T* p) {
   __builtin_prefetch(p, 0, 3);
 }
 
+/// How far ahead of its loads a one-pass row loop fetches its inputs (fetch_ahead): 2 KiB, 32 lines a
+/// stream, the middle of the range that ran fastest (2-4 KiB; 512 bytes and 8 KiB slower) on xeon-amx-vm —
+/// about what one core moves in a memory latency at the streaming rate (~12 GB/s x ~100 ns), with margin
+/// (docs/performance.md, "Inputs fetched ahead").
+inline constexpr int64_t kAheadBytes = 2048;
+/// Asks for the line kAheadBytes past p, for a loop that streams its inputs once and computes between the
+/// loads (the SiLU rows, rotary): on an Intel Xeon the hardware prefetchers fell behind such loops, which ran
+/// at half the copy rate or less (bf16 SiLU at avx2 33 ms against 13 with this). One a block, which for
+/// 16-bit blocks asks for a line twice. A hint: it never faults, past a row's end included.
+template <class T>
+inline void fetch_ahead(const T* p) {
+  __builtin_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, 0, 3);
+}
+
 /// kBlock elements of p as a block of A.
 template <class A, class T>
 inline Vec<A> load(const T* p) {
