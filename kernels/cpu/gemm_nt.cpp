@@ -5,7 +5,8 @@
 // rows x 4 K elements per 512-bit register, B's rows streamed once, 4 elements at a time broadcast against
 // every quad; each row summed in one order whatever the group's size.
 //
-// AVX2, and bf16 pairs at avx512bf16: the transposed ("lanes") form. A's rows (a small group, at most 32 per
+// AVX2 (and bf16 pairs at avx512bf16, no longer chosen since the quads form ran faster there: lanes_gemm):
+// the transposed ("lanes") form. A's rows (a small group, at most 32 per
 // pass with AVX-512's 32 vector registers, 16 with AVX2's 16) are packed once per call into a lane layout, 8
 // rows per 256-bit register; B's rows are streamed once, front to back, each element broadcast against all
 // the group's rows: accumulators hold C^T[n, 8 rows], fed by one FMA (fp32; bf16 widened a line at a time) or
@@ -709,17 +710,14 @@ void quad_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t l
 }
 #endif
 
-// C = A B^T, fp32 or bf16: the quads form at the AVX-512 levels, except bf16 with vdpbf16ps (avx512bf16: its
-// pairs in ymm lanes); the lanes form at avx2.
+// C = A B^T, fp32 or bf16: the quads form at the AVX-512 levels, bf16 included at avx512bf16 (its weights
+// widened to fp32, as at avx512: twice the speed of the vdpbf16ps pairs in ymm lanes on xeon-amx-vm, and
+// ahead of them on Zen 4 in every table since 2026-12-03; docs/performance.md, "gemm_nt at avx512bf16"); the
+// lanes form at avx2.
 template <class T>
 void lanes_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
                 int64_t K) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, BFloat16>)
-    return lanes_gemm_in<Ymm>(A, lda, B, ldb, C, ldc, M, N, K);
-  else
-    return quad_gemm<T>(A, lda, B, ldb, C, ldc, M, N, K);
-#elif defined(__AVX512F__)
+#if defined(__AVX512F__)
   quad_gemm<T>(A, lda, B, ldb, C, ldc, M, N, K);
 #else
   lanes_gemm_in<Ymm>(A, lda, B, ldb, C, ldc, M, N, K);
@@ -894,9 +892,10 @@ void amx_gemm(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BF
 // level with it, and only groups of about 500 rows and more ran faster on BLAS. The AVX-512 levels' fp32 (the
 // quads form) the same: gemm_nt near the dense rate at every group size up to 1024 rows, larger groups on
 // BLAS, whose AVX-512 kernels on Intel cores (unmeasured against the quads form) run faster than on the core
-// this was measured on. bf16 at avx512bf16 (the bf16 pairs against oneDNN's bf16 product): 128, where the two
-// cross (amx, on the tiles both ways, keeps 64: unmeasured). Elsewhere 64 (baseline; bf16 measured on an
-// AVX512-BF16 core). The figures: docs/performance.md, "Grouped products: tasks and routing".
+// this was measured on. bf16 at avx512bf16: 128, where the bf16 pairs (the form then) and oneDNN's bf16
+// product crossed; the quads form since, unmeasured against oneDNN (amx, on the tiles both ways, keeps 64:
+// unmeasured). Elsewhere 64 (baseline; bf16 measured on an AVX512-BF16 core). The figures:
+// docs/performance.md, "Grouped products: tasks and routing".
 int64_t gemm_nt_blas_rows(DType dtype) {
 #if defined(__AVX2__)
   if (dtype == DType::kFloat32) return 256;
