@@ -1,18 +1,16 @@
 // Small-M matrix products in "NT" form for the grouped expert products of the forward pass, both operands
 // K-contiguous (nn.Linear layout). Compiled once per instruction-set level.
 //
-// AVX-512 levels, fp32 and (below avx512bf16) bf16: the quads form (below): A's rows packed as quads of 4
-// rows x 4 K elements per 512-bit register, B's rows streamed once, 4 elements at a time broadcast against
-// every quad; each row summed in one order whatever the group's size.
+// AVX-512 levels, fp32 and bf16 (bf16 on the tiles at amx): the quads form (below): A's rows packed as quads
+// of 4 rows x 4 K elements per 512-bit register, B's rows streamed once, 4 elements at a time broadcast
+// against every quad; each row summed in one order whatever the group's size.
 //
-// AVX2 (and bf16 pairs at avx512bf16, no longer chosen since the quads form ran faster there: lanes_gemm):
-// the transposed ("lanes") form. A's rows (a small group, at most 32 per
-// pass with AVX-512's 32 vector registers, 16 with AVX2's 16) are packed once per call into a lane layout, 8
-// rows per 256-bit register; B's rows are streamed once, front to back, each element broadcast against all
-// the group's rows: accumulators hold C^T[n, 8 rows], fed by one FMA (fp32; bf16 widened a line at a time) or
-// one vdpbf16ps (bf16 pairs) per B element and 8-row group. Each weight byte is read once from memory, with
-// software prefetch ahead; A stays in cache. amx: bf16 on the tiles. Other levels, dtypes and float64: dot
-// products along K in register blocks.
+// AVX2: the transposed ("lanes") form. A's rows (a small group, at most 16 per pass with AVX2's 16 vector
+// registers) are packed once per call into a lane layout, 8 rows per 256-bit register; B's rows are streamed
+// once, front to back, each element broadcast against all the group's rows: accumulators hold C^T[n, 8 rows],
+// fed by one FMA (fp32; bf16 widened a line at a time) per B element and 8-row group. Each weight byte is
+// read once from memory, with software prefetch ahead; A stays in cache. amx: bf16 on the tiles. Other
+// levels, dtypes and float64: dot products along K in register blocks.
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
@@ -71,48 +69,8 @@ void block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, 
     }
 }
 
-#if defined(__AVX512BF16__)
-// The sum of the 16 lanes, associated as GCC's _mm512_reduce_add_ps does (the halves, the quarters of that,
-// then pairs: the same bits). Not that intrinsic itself, nor _mm512_castps512_ps256: in GCC 12.0-12.2 both go
-// through _mm512_extractf64x4_pd, which passes _mm256_undefined_pd(), a self-initialized variable that
-// -Wuninitialized reports wherever it is inlined (GCC bug 105593).
-inline float reduce_add(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_extractf32x8_ps(v, 0));
-  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-// bf16 with the dot-product instruction: each lane adds a[2l] * b[2l] + a[2l+1] * b[2l+1] (exact products,
-// fp32 sums) — both operands K-contiguous, so 32 elements of K per instruction and no conversions.
-template <int MR, int NR>
-void block(const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb, BFloat16* C, int64_t ldc,
-           int64_t K) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t Kb = K - K % 32;
-  for (int64_t k = 0; k < Kb; k += 32) {
-    __m512bh a[MR], b[NR];
-    for (int i = 0; i < MR; ++i) a[i] = (__m512bh)_mm512_loadu_si512(A + i * lda + k);
-    for (int j = 0; j < NR; ++j) b[j] = (__m512bh)_mm512_loadu_si512(B + j * ldb + k);
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a[i], b[j]);
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      float s = reduce_add(acc[i][j]);
-      for (int64_t k = Kb; k < K; ++k) s += to_float(A[i * lda + k]) * to_float(B[j * ldb + k]);
-      C[i * ldc + j] = from_acc<BFloat16>(s);
-    }
-}
-#endif
-
 template <class T, int MR, int NR>
 void any_block(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t K) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, BFloat16>) return block<MR, NR>(A, lda, B, ldb, C, ldc, K);
-#endif
   block<T, MR, NR>(A, lda, B, ldb, C, ldc, K);
 }
 
@@ -136,8 +94,8 @@ void gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, i
 #if defined(__AVX2__)
 // ---- The lanes form -------------------------------------------------------------------------------------
 
-// Lane registers: 8 rows of A per ymm accumulator (the AVX2 level, and bf16 pairs at avx512bf16; the other
-// AVX-512 cases run the quads form below).
+// Lane registers: 8 rows of A per ymm accumulator (the AVX2 level; the AVX-512 levels run the quads form
+// below).
 struct Ymm {
   using V = __m256;
   static constexpr int kWidth = 8, kCols = 6;  // kBlockCols below
@@ -307,41 +265,6 @@ __attribute__((noinline)) void lanes_block(const float* P, const BFloat16* W, in
 }
 #endif
 
-#if defined(__AVX512BF16__)
-inline uint32_t load_pair(const BFloat16* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-// bf16 block: P holds (A[r][2p], A[r][2p+1]) pairs as [pair][8g + l]; each vdpbf16ps adds both products of a
-// pair to the fp32 lane. An odd K ends with a pair whose second element is zero on both sides.
-template <class R, int G, int NB, int>
-void lanes_block(const uint32_t* P, const BFloat16* W, int64_t ldw, int64_t K, float* out) {
-  const BFloat16* w[NB];
-  for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
-  auto pair_step = [&](int64_t p, __m256(&acc)[NB][G], auto pair_of) {
-    __m256i a[G];
-    for (int g = 0; g < G; ++g)
-      a[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(P + (p * G + g) * 8));
-    for (int j = 0; j < NB; ++j) {
-      const __m256bh b = (__m256bh)_mm256_set1_epi32(static_cast<int>(pair_of(w[j] + 2 * p)));
-      for (int g = 0; g < G; ++g) acc[j][g] = _mm256_dpbf16_ps(acc[j][g], (__m256bh)a[g], b);
-    }
-  };
-  auto step = [&](int64_t p, __m256(&acc)[NB][G]) {
-    pair_step(p, acc, [](const BFloat16* q) { return load_pair(q); });
-  };
-  auto last = [&](__m256(&acc)[NB][G]) {
-    if (K % 2) pair_step(K / 2, acc, [](const BFloat16* q) { return uint32_t(q->bits); });
-  };
-  lanes_loop<R, G, NB,
-             (G == 1   ? 4
-              : G == 2 ? 2
-                       : 1)>(K / 2, reinterpret_cast<const char* const*>(w), ldw * 2, 4, step, last, out);
-}
-#endif
-
 template <class R, int G, int S, class P, class WT, class T>
 void lanes_rows(const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols, T* C,
                 int64_t ldc) {
@@ -389,19 +312,6 @@ void pack_rows(const T* A, int64_t lda, int64_t rows, int64_t L, int64_t K, floa
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < K; ++k) P[k * L + r] = to_float(A[r * lda + k]);
 }
-// bf16 pairs: P[p][r] = A[r][2p] | A[r][2p+1] << 16, zero past K and in the padding lanes.
-inline void pack_pairs(const BFloat16* A, int64_t lda, int64_t rows, int64_t L, int64_t K, uint32_t* P) {
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p)
-    for (int64_t r = rows; r < L; ++r) P[p * L + r] = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const BFloat16* a = A + r * lda;
-    for (int64_t p = 0; p < K / 2; ++p)
-      P[p * L + r] = uint32_t(a[2 * p].bits) | uint32_t(a[2 * p + 1].bits) << 16;
-    if (K % 2) P[(K / 2) * L + r] = a[K - 1].bits;
-  }
-}
-
 // Dot-product blocks for the last `R` rows (A rows At, stride ldt) over `cols` columns of W.
 template <class T, int R>
 void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t ldc, int64_t cols, int64_t K) {
@@ -419,7 +329,7 @@ void dot_rows(const T* At, int64_t ldt, const T* W, int64_t ldw, T* C, int64_t l
   run(std::integral_constant<int, 1>{});
 }
 
-// C = A B^T through the lanes form, fp32 or (avx512bf16) bf16, B read in place. Rows in 8-row groups: a group
+// C = A B^T through the lanes form, fp32 or bf16, B read in place. Rows in 8-row groups: a group
 // costs the same whatever its rows, so where M leaves 1 to kDotRows rows over, those go through the
 // dot-product blocks instead, right after the lanes blocks have brought the same B rows into cache (a group
 // of 1 to 3 rows streams them itself; a dot-product row costs an eighth of an 8-row group's FMAs per weight
@@ -445,30 +355,20 @@ void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64
                    int64_t K) {
   if (M <= 0 || N <= 0) return;
   constexpr int64_t kW = R::kWidth;
-#if defined(__AVX512BF16__)
-  constexpr bool kPairs = std::is_same_v<T, BFloat16>;
-#else
-  constexpr bool kPairs = false;
-#endif
   const int64_t tail = dot_tail(M);
   const int64_t Ml = M - tail;  // rows through the lanes form
   const int64_t chunks = (Ml + kRows - 1) / kRows;
-  using P = std::conditional_t<kPairs, uint32_t, float>;
-  const int64_t depth = kPairs ? (K + 1) / 2 : K;  // packed entries per lane
   // Chunk c covers rows [c * kRows, ...) in ceil(rows / 8) groups, packed one after another.
   std::vector<int64_t> at(chunks + 1, 0);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t rows = std::min<int64_t>(kRows, Ml - c * kRows);
-    at[c + 1] = at[c] + depth * ((rows + kW - 1) / kW) * kW;
+    at[c + 1] = at[c] + K * ((rows + kW - 1) / kW) * kW;
   }
-  P* packed = static_cast<P*>(scratch<0>(std::max<int64_t>(1, at[chunks]) * sizeof(P)));
+  float* packed = static_cast<float*>(scratch<0>(std::max<int64_t>(1, at[chunks]) * sizeof(float)));
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t rows = std::min<int64_t>(kRows, Ml - c * kRows),
-                  L = (at[c + 1] - at[c]) / std::max<int64_t>(1, depth);
-    if constexpr (kPairs)
-      pack_pairs(A + c * kRows * lda, lda, rows, L, K, packed + at[c]);
-    else
-      pack_rows(A + c * kRows * lda, lda, rows, L, K, packed + at[c]);
+                  L = (at[c + 1] - at[c]) / std::max<int64_t>(1, K);
+    pack_rows(A + c * kRows * lda, lda, rows, L, K, packed + at[c]);
   }
   auto pass = [&](const auto* W, int64_t ldw, int64_t n0, int64_t cols) {
     for (int64_t c = 0; c < chunks; ++c) {
@@ -814,6 +714,20 @@ void amx_pass_2x2(const Block (&w)[2], const TileRun& a0, const TileRun& a1, int
   _tile_stored(1, out + 256, 64);
   _tile_stored(2, out + 512, 64);
   _tile_stored(3, out + 768, 64);
+}
+
+// bf16 pairs for the activations' tiles: P[p][r] = A[r][2p] | A[r][2p+1] << 16, zero past K and in the
+// padding lanes.
+inline void pack_pairs(const BFloat16* A, int64_t lda, int64_t rows, int64_t L, int64_t K, uint32_t* P) {
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t r = rows; r < L; ++r) P[p * L + r] = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const BFloat16* a = A + r * lda;
+    for (int64_t p = 0; p < K / 2; ++p)
+      P[p * L + r] = uint32_t(a[2 * p].bits) | uint32_t(a[2 * p + 1].bits) << 16;
+    if (K % 2) P[(K / 2) * L + r] = a[K - 1].bits;
+  }
 }
 
 // C = A B^T in bf16 through the tiles.

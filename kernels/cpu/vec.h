@@ -382,7 +382,7 @@ inline constexpr int64_t kAheadBytes = 2048;
 /// 16-bit blocks asks for a line twice. A hint: it never faults, past a row's end included.
 template <class T>
 inline void fetch_ahead(const T* p) {
-  __builtin_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, 0, 3);
+  prefetch(reinterpret_cast<const char*>(p) + kAheadBytes);
 }
 
 /// kBlock elements of p as a block of A.
