@@ -52,7 +52,11 @@ std::vector<CaseBuilder> linear_cross_entropy_cases(const std::string& dtype, co
              const at::Tensor labels = labels_of(s);
              const at::Tensor grad = at::ones({});
              const double e = hidden.element_size();
-             const double product = 2.0 * s.N * s.H * s.V;
+             // The rows the loss counts: an ignored row needs no product (the kernel skips it), so the floor
+             // and the bare products take the counted rows only.
+             const at::Tensor counted = labels.ne(-100).nonzero().squeeze(1);
+             const at::Tensor hidden_counted = hidden.index_select(0, counted);
+             const double product = 2.0 * static_cast<double>(counted.numel()) * s.H * s.V;
              auto kern = [](const std::vector<at::Tensor>& in) {
                return kernmap::linear_cross_entropy(in[0], in[1], in[2]);
              };
@@ -80,7 +84,7 @@ std::vector<CaseBuilder> linear_cross_entropy_cases(const std::string& dtype, co
                            }},
                           {"1 product", [=] {
                              at::NoGradGuard g;
-                             at::mm(in[0], in[1].t());
+                             at::mm(hidden_counted, weight.t());
                            }}};
              Case both{"linear_cross_entropy",
                        "fwd+bwd",
@@ -94,7 +98,7 @@ std::vector<CaseBuilder> linear_cross_entropy_cases(const std::string& dtype, co
                            {"reference", fwd_bwd(in, grad, ref)},
                            {"3 products", [=] {
                               at::NoGradGuard g;
-                              products(in);
+                              products({hidden_counted, weight});
                             }}};
              // The logits' products go through at::mm (oneDNN's bf16 GEMM at any level).
              fwd.level_bound_flops = both.level_bound_flops = false;

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <CLI/CLI.hpp>
 
+#include <emmintrin.h>
 #include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -180,25 +181,98 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
   return out;
 }
 
-// The copy bandwidth probe: a 256 MiB float32 buffer copied into another (far beyond the caches), bytes read
-// + bytes written. Measured once at the start (the run's `limits` line) and again inside every case, its
+// The copy bandwidth probe: a float32 buffer copied into another, bytes read + bytes written. Measured once
+// at the start on 256 MiB (far beyond the caches: the run's `limits` line) and again inside every case, its
 // repetitions interleaved with the case's implementations, so that a row's copy floor comes from the same
 // moments as its own times: on a shared machine the bandwidth moves by tens of percent within a run, and one
 // figure from the start misstates later rows either way.
+//
+// Inside a case the probe copies as many bytes as the case moves (up to the 256 MiB), so that it meets the
+// caches as the case's implementations do: a case whose tensors partly stay in a large last-level cache
+// between repetitions runs faster than memory, and a floor at the memory's rate flatters it. On xeon-amx-vm
+// (2026-12-06; sysfs L3 480 MiB) the fp32 rms_norm fwd [4096, 3584] case (117 MB) ran at 36 GB/s against a
+// 24 GB/s 256 MiB copy: 0.70x "its floor".
+//
+// Its buffers are on huge pages where the system grants them, as the large blocks kernmap's kernels write and
+// the MoE cases' weights are (kernmap/memory.h): on 4 KiB pages the probe read 14-17 GB/s inside the MoE
+// fwd+bwd cases (3-8 in the fused loss's) against 23-26 at the start, with no page fault, while the cases'
+// kernels ran at their usual speed — the page walks of a copy in a process holding GBs, not the machine —
+// and the rows read 0.90x "their floor" (xeon-amx-vm, 2026-12-06). On huge pages the same cases' probes read
+// 22-26. `huge_pages` says whether both buffers got them (no THP, buffers under 16 MiB, KERNMAP_HUGE_PAGES=0:
+// 4 KiB pages, as the kernels' memory then).
+// A copy whose stores bypass the caches (SSE2's non-temporal 16-byte stores, every x86-64 CPU), 64-byte
+// pieces split among the threads: plain stores first read each line they write (a copy of n bytes moves 3n),
+// and kernmap's kernels stream their large outputs (kernels/cpu/vec.h), so a plain copy alone understates
+// what the memory does. Tail floats go by plain stores.
+void copy_streamed(const float* src, float* dst, int64_t n) {
+#if defined(__SSE2__)
+  constexpr int64_t kLine = 16;  // floats in a 64-byte line
+  const int64_t lines = n / kLine;
+  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t l = begin; l < end; ++l) {
+      const auto* s = reinterpret_cast<const __m128i*>(src + l * kLine);
+      auto* d = reinterpret_cast<__m128i*>(dst + l * kLine);
+      for (int k = 0; k < 4; ++k) _mm_stream_si128(d + k, _mm_loadu_si128(s + k));
+    }
+    _mm_sfence();
+  });
+  std::copy(src + lines * kLine, src + n, dst + lines * kLine);
+#else
+  std::copy(src, src + n, dst);
+#endif
+}
+
 struct CopyProbe {
-  static constexpr int64_t kFloats = int64_t(1) << 26;
-  at::Tensor src = at::rand({kFloats});
-  at::Tensor dst = at::empty({kFloats});
-  Impl impl() {
-    return {"copy", [this] { dst.copy_(src); }};
+  static constexpr int64_t kMaxFloats = int64_t(1) << 26;
+  int64_t floats;
+  at::Tensor src, dst;
+  bool huge_pages;
+  explicit CopyProbe(int64_t n = kMaxFloats)
+      : floats(n),
+        src(at::rand({n})),
+        dst(at::zeros({n})),  // faulted in, so that its pages can be collapsed now
+        huge_pages(advise_huge_pages(src) && advise_huge_pages(dst)) {
+    // A streamed copy that missed a piece would report a rate it did not move: checked once.
+    copy_streamed(src.data_ptr<float>(), dst.data_ptr<float>(), floats);
+    if (!at::equal(src, dst))
+      throw std::runtime_error("bench: the streamed copy probe of " + std::to_string(n) +
+                               " floats did not copy its source");
   }
-  static double gbps(const Timing& t) { return 2.0 * kFloats * 4 / (t.median_ms * 1e6); }
+  /// The floats of a probe that moves `bytes` (read + written), within 1 and kMaxFloats.
+  static int64_t floats_for(double bytes) {
+    return std::clamp(static_cast<int64_t>(bytes / 8), int64_t(1), kMaxFloats);
+  }
+  /// The copy by plain stores (torch's) and the streamed one; the probe's rate is the faster's.
+  std::vector<Impl> impls() {
+    return {
+        {"copy", [this] { dst.copy_(src); }},
+        {"copy streamed", [this] { copy_streamed(src.data_ptr<float>(), dst.data_ptr<float>(), floats); }}};
+  }
+  double gbps(const Timing& t) const { return 2.0 * static_cast<double>(floats) * 4 / (t.median_ms * 1e6); }
 };
 
-double copy_gbps(CopyProbe& probe, const Options& o) {
+/// A probe's two rates, GB/s.
+struct CopyRate {
+  double plain = 0, streamed = 0;
+  double best() const { return std::max(plain, streamed); }
+  const char* by() const { return streamed > plain ? "streamed" : "plain"; }
+};
+
+/// Pops the probe's two timings off the back of `timings` (pushed as probe.impls() in that order).
+CopyRate pop_copy_rate(const CopyProbe& probe, std::vector<Timing>& timings) {
+  CopyRate r;
+  r.streamed = probe.gbps(timings.back());
+  timings.pop_back();
+  r.plain = probe.gbps(timings.back());
+  timings.pop_back();
+  return r;
+}
+
+CopyRate copy_rate(CopyProbe& probe, const Options& o) {
   Options copy_opts = o;
   copy_opts.reps = std::max(o.reps, 5);
-  return CopyProbe::gbps(time_interleaved({probe.impl()}, copy_opts)[0]);
+  std::vector<Timing> t = time_interleaved(probe.impls(), copy_opts);
+  return pop_copy_rate(probe, t);
 }
 
 // A square product of n x n in a dtype, timed for a dense rate.
@@ -250,8 +324,9 @@ struct Row {
   std::string impl;
   std::string level;  ///< the level kernmap's kernels ran at; empty for an implementation that runs none
   Timing t;
-  double copy_gbps;         ///< the copy bandwidth measured among the case's repetitions (CopyProbe)
-  double dense_gflops = 0;  ///< the fp32 dense rate measured among them (DenseProbe; 0: no FLOPs)
+  CopyRate copy;                ///< the copy bandwidths measured among the case's repetitions (CopyProbe)
+  double dense_gflops = 0;      ///< the fp32 dense rate measured among them (DenseProbe; 0: no FLOPs)
+  double copy_probe_bytes = 0;  ///< the bytes (read + written) of that copy: the case's, up to 512 MiB
 };
 
 struct Floor {
@@ -368,7 +443,8 @@ int bench_command(const Options& o) {
   const std::string torch_level = at::get_cpu_capability();
   const std::vector<std::string> levels = levels_to_run(o.levels);
   CopyProbe probe;
-  const double copy = copy_gbps(probe, o);
+  const CopyRate start_copy = copy_rate(probe, o);
+  const double copy = start_copy.best();
   DenseProbe dense_probe;
   // Dense GFLOP/s per dtype, measured when a case does FLOPs: its dtype's and fp32's (the honest limit of a
   // low-precision case computed in fp32); fp32's again in every product case (DenseProbe), the fastest kept.
@@ -420,7 +496,12 @@ int bench_command(const Options& o) {
         co.reps = std::min(o.reps, c.max_reps);
         co.warmup = std::min(o.warmup, 1);
       }
-      c.impls.push_back(probe.impl());  // the case's own copy bandwidth
+      // The case's own copy bandwidth, on its bytes (the start's probe where the case moves 256 MiB or more).
+      const int64_t probe_floats = CopyProbe::floats_for(c.bytes);
+      std::unique_ptr<CopyProbe> sized;
+      if (probe_floats < probe.floats) sized = std::make_unique<CopyProbe>(probe_floats);
+      CopyProbe& case_probe = sized ? *sized : probe;
+      for (Impl& im : case_probe.impls()) c.impls.push_back(std::move(im));
       const bool dense_case = c.flops > 0;
       if (dense_case) c.impls.push_back(dense_probe.impl());  // and fp32 dense rate
       std::vector<Timing> timings = time_interleaved(c.impls, co);
@@ -431,9 +512,9 @@ int bench_command(const Options& o) {
         timings.pop_back();
         peak["float32"] = std::max(peak["float32"], case_dense);
       }
-      c.impls.pop_back();
-      const double case_copy = CopyProbe::gbps(timings.back());
-      timings.pop_back();
+      c.impls.resize(c.impls.size() - 2);
+      const CopyRate case_copy = pop_copy_rate(case_probe, timings);
+      sized.reset();
       set_cpu_level(start_level);
       std::vector<std::string> names;
       for (const Impl& im : c.impls) names.push_back(im.name);
@@ -447,7 +528,7 @@ int bench_command(const Options& o) {
       release_freed_memory();
       malloc_trim(0);
       for (size_t k = 0; k < names.size(); ++k) {
-        rows.push_back({c, names[k], impl_levels[k], timings[k], case_copy, case_dense});
+        rows.push_back({c, names[k], impl_levels[k], timings[k], case_copy, case_dense, 8.0 * probe_floats});
         // The dense row of a case measures the same peak again: the floor uses the better of the two
         // measurements (one slow calibration, e.g. a first MKL call, would otherwise flatter every row).
         if (names[k] == "dense" && c.flops > 0)
@@ -463,7 +544,7 @@ int bench_command(const Options& o) {
   // row's level can use (an implementation outside kernmap, or whose products go through BLAS: the faster of
   // the machine's fp32 and case-dtype rates).
   auto floor_of = [&](const Row& r) {
-    Floor f{r.c.bytes / (r.copy_gbps * 1e6), "copy"};
+    Floor f{r.c.bytes / (r.copy.best() * 1e6), "copy"};
     if (r.c.flops <= 0) return f;
     const bool level_bound = !r.level.empty() && r.c.level_bound_flops;
     double compute = 0;
@@ -513,9 +594,13 @@ int bench_command(const Options& o) {
                   {"min_ms", r.t.min_ms},
                   {"max_ms", r.t.max_ms},
                   {"gbps", gbps(r)},
-                  {"copy_gbps", r.copy_gbps},
+                  {"copy_gbps", r.copy.best()},
+                  {"copy_by", r.copy.by()},
+                  {"copy_plain_gbps", r.copy.plain},
+                  {"copy_streamed_gbps", r.copy.streamed},
+                  {"copy_probe_bytes", r.copy_probe_bytes},
                   {"dense_gflops", r.dense_gflops > 0 ? Json(r.dense_gflops) : Json(nullptr)},
-                  {"pct_of_copy", 100 * gbps(r) / r.copy_gbps},
+                  {"pct_of_copy", 100 * gbps(r) / r.copy.best()},
                   {"speedup_vs_reference", reference_ms(r) / r.t.median_ms},
                   {"floor_ms", floor_ms(r)},
                   {"floor_source", floor_of(r).source},
@@ -539,6 +624,9 @@ int bench_command(const Options& o) {
            {"caches",
             {{"l1d_bytes", caches.l1d_bytes}, {"l2_bytes", caches.l2_bytes}, {"l3_bytes", caches.l3_bytes}}},
            {"copy_gbps", copy},
+           {"copy_plain_gbps", start_copy.plain},
+           {"copy_streamed_gbps", start_copy.streamed},
+           {"copy_huge_pages", probe.huge_pages},
            {"dense_gflops", dense},
            {"level_dense_gflops", level_dense},
            {"threads", at::get_num_threads()}}},
@@ -560,13 +648,14 @@ int bench_command(const Options& o) {
         torch_level.c_str(), levels.front().c_str());
   double case_min = copy, case_max = copy;
   for (const Row& r : rows) {
-    case_min = std::min(case_min, r.copy_gbps);
-    case_max = std::max(case_max, r.copy_gbps);
+    case_min = std::min(case_min, r.copy.best());
+    case_max = std::max(case_max, r.copy.best());
   }
   std::printf(
-      "limits: copy bandwidth %.1f GB/s (read + write; %.1f..%.1f measured among the cases' own "
-      "repetitions, each row's floor from its case's)",
-      copy, case_min, case_max);
+      "limits: copy bandwidth %.1f GB/s (read + write; plain stores %.1f, streamed %.1f; %s; %.1f..%.1f "
+      "measured among the cases' own repetitions on each case's bytes, each row's floor from its case's)",
+      copy, start_copy.plain, start_copy.streamed, probe.huge_pages ? "huge pages" : "4 KiB pages", case_min,
+      case_max);
   for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
   for (const auto& [level, limit] : level_limits)
     if (limit.gflops > 0)
@@ -584,7 +673,7 @@ int bench_command(const Options& o) {
   for (const Row& r : rows)
     t.rows.push_back({r.c.op, r.c.pass, r.c.dtype, r.c.shape, r.impl, r.level.empty() ? "-" : r.level,
                       fixed(r.t.median_ms, 3), fixed(r.t.min_ms, 2) + ".." + fixed(r.t.max_ms, 2),
-                      fixed(gbps(r), 1), fixed(100 * gbps(r) / r.copy_gbps, 1) + "%",
+                      fixed(gbps(r), 1), fixed(100 * gbps(r) / r.copy.best(), 1) + "%",
                       r.c.flops > 0 ? fixed(gflops(r), 1) : "-", fixed(floor_ms(r), 2), floor_of(r).source,
                       fixed(r.t.median_ms / floor_ms(r), 2) + "x",
                       fixed(reference_ms(r) / r.t.median_ms, 2) + "x", fixed(r.t.peak_bytes / 1e6, 1)});

@@ -56,6 +56,10 @@ def test_bench_json_document(run_cli):
     doc = json.loads(out.stdout)
     machine = doc["machine"]
     assert machine["copy_gbps"] > 0 and machine["threads"] >= 1 and machine["cpu_level"]
+    # The copy limit: the faster of plain stores (torch's copy_) and streamed ones (no read of the lines written).
+    assert machine["copy_plain_gbps"] > 0 and machine["copy_streamed_gbps"] > 0
+    assert machine["copy_gbps"] == max(machine["copy_plain_gbps"], machine["copy_streamed_gbps"])
+    assert isinstance(machine["copy_huge_pages"], bool)
     assert machine["dense_gflops"] == {}  # rms_norm does no FLOPs worth a GEMM peak
     assert machine["cpu_model"] and machine["cpu_level"] in machine["cpu_levels_supported"]
     assert machine["levels_run"] == [machine["cpu_level"]]  # no --levels: the level in use
@@ -73,6 +77,10 @@ def test_bench_json_document(run_cli):
         # The copy floor from the bandwidth measured among the case's own repetitions (one per case).
         assert r["copy_gbps"] > 0 and r["floor_ms"] == pytest.approx(r["bytes"] / (r["copy_gbps"] * 1e6))
         assert r["pct_of_copy"] == pytest.approx(100 * r["gbps"] / r["copy_gbps"])
+        assert r["copy_gbps"] == max(r["copy_plain_gbps"], r["copy_streamed_gbps"])
+        assert r["copy_by"] == ("streamed" if r["copy_streamed_gbps"] > r["copy_plain_gbps"] else "plain")
+        # The case's probe moves the case's bytes (up to 512 MiB), as 4-byte floats read and written.
+        assert r["copy_probe_bytes"] == min(8 * int(r["bytes"] // 8), 512 << 20)
     for p in ("fwd", "fwd+bwd"):
         assert len({r["copy_gbps"] for r in rows if r["pass"] == p}) == 1
         assert r["level"] == (machine["cpu_level"] if r["impl"] == "kernmap" else None)
