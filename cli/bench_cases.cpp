@@ -43,7 +43,7 @@ namespace {
 // Both passes of one elementwise op on shared inputs (grads are dropped between runs).
 std::vector<Case> both_passes(const std::string& op, const std::string& dtype,
                               const std::vector<at::Tensor>& in, const at::Tensor& dy, double fwd_bytes,
-                              double both_bytes,
+                              double both_bytes, double fwd_written, double both_written,
                               std::function<at::Tensor(const std::vector<at::Tensor>&)> kern,
                               std::function<at::Tensor(const std::vector<at::Tensor>&)> ref) {
   const std::string shape = shape_string(in[0].sizes());
@@ -67,6 +67,8 @@ std::vector<Case> both_passes(const std::string& op, const std::string& dtype,
             dtype,      shape,
             both_bytes, 0,
             0,          {{"kernmap", fwd_bwd(in, dy, kern)}, {"reference", fwd_bwd(in, dy, ref)}}};
+  fwd.written = fwd_written;
+  both.written = both_written;
   return {fwd, both};
 }
 
@@ -101,7 +103,7 @@ std::vector<CaseBuilder> rms_norm_cases(const std::string& dtype, const ShapeFil
     const double bwd_bytes =
         fwd_bytes + e * (T * H + T * H + H + T * H + H);  // + dy, x, w read; dx, dw written
     return both_passes(
-        "rms_norm", dtype, {x, w}, dy, fwd_bytes, bwd_bytes,
+        "rms_norm", dtype, {x, w}, dy, fwd_bytes, bwd_bytes, e * T * H, e * (2 * T * H + H),
         [](const std::vector<at::Tensor>& in) { return kernmap::rms_norm(in[0], in[1], 1e-6); },
         [](const std::vector<at::Tensor>& in) { return kernmap::reference::rms_norm(in[0], in[1], 1e-6); });
   });
@@ -117,7 +119,7 @@ std::vector<CaseBuilder> silu_and_mul_cases(const std::string& dtype, const Shap
     const double n = double(T) * I * gate.element_size();
     // Forward: gate and up read, y written. Backward: dy, gate and up read, both gradients written.
     return both_passes(
-        "silu_and_mul", dtype, {gate, up}, dy, 3 * n, 8 * n,
+        "silu_and_mul", dtype, {gate, up}, dy, 3 * n, 8 * n, n, 3 * n,
         [](const std::vector<at::Tensor>& in) { return kernmap::silu_and_mul(in[0], in[1]); },
         [](const std::vector<at::Tensor>& in) { return kernmap::reference::silu_and_mul(in[0], in[1]); });
   });
@@ -132,7 +134,7 @@ std::vector<CaseBuilder> silu_cases(const std::string& dtype, const ShapeFilter&
     const double n = double(T) * I * x.element_size();
     // Forward: x read, y written. Backward: dy and x read, dx written.
     return both_passes(
-        "silu", dtype, {x}, dy, 2 * n, 5 * n,
+        "silu", dtype, {x}, dy, 2 * n, 5 * n, n, 2 * n,
         [](const std::vector<at::Tensor>& in) { return kernmap::silu(in[0]); },
         [](const std::vector<at::Tensor>& in) { return kernmap::reference::silu(in[0]); });
   });
@@ -147,7 +149,7 @@ std::vector<CaseBuilder> swiglu_cases(const std::string& dtype, const ShapeFilte
     const double n = double(T) * I * gate_up.element_size();
     // Forward: gate_up read (2n), y written. Backward: dy and gate_up read, the packed gradient written (2n).
     return both_passes(
-        "swiglu", dtype, {gate_up}, dy, 3 * n, 8 * n,
+        "swiglu", dtype, {gate_up}, dy, 3 * n, 8 * n, n, 3 * n,
         [](const std::vector<at::Tensor>& in) { return kernmap::swiglu(in[0]); },
         [](const std::vector<at::Tensor>& in) { return kernmap::reference::swiglu(in[0]); });
   });

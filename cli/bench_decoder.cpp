@@ -77,6 +77,8 @@ std::vector<CaseBuilder> rotary_cases(const std::string& dtype, const ShapeFilte
               0,
               0,
               {fwd_bwd_impl("kernmap", in, 2, gq, gk, kern), fwd_bwd_impl("reference", in, 2, gq, gk, ref)}};
+    fwd.written = e * (q.numel() + k.numel());  // q_embed and k_embed; the backward's two gradients
+    both.written = 2 * fwd.written;
     return std::vector<Case>{fwd, both};
   });
 }
@@ -122,6 +124,8 @@ std::vector<CaseBuilder> add_rms_norm_cases(const std::string& dtype, const Shap
               0,
               {fwd_bwd_impl("kernmap", in, 3, gy, gs, kern), fwd_bwd_impl(name, in, 3, gy, gs, separate),
                fwd_bwd_impl("reference", in, 3, gy, gs, ref)}};
+    fwd.written = 2 * n;  // normed and sum; the backward's one gradient
+    both.written = 3 * n;
     return std::vector<Case>{fwd, both};
   });
 }

@@ -102,6 +102,8 @@ std::vector<CaseBuilder> linear_cross_entropy_cases(const std::string& dtype, co
                             }}};
              // The logits' products go through at::mm (oneDNN's bf16 GEMM at any level).
              fwd.level_bound_flops = both.level_bound_flops = false;
+             fwd.written = 0;                       // a loss
+             both.written = e * (s.N + s.V) * s.H;  // hidden's and weight's gradients
              return std::vector<Case>{fwd, both};
            }))
         out.push_back(std::move(b));

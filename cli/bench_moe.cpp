@@ -117,6 +117,10 @@ std::vector<CaseBuilder> grouped_mm_cases(const std::string& dtype, const ShapeF
                  frozen.impls = {{"kernmap", fwd_bwd({a, w.detach(), offs}, dy, kern, frozen_weights)},
                                  {"reference", fwd_bwd({a, w.detach(), offs}, dy, ref, frozen_weights)},
                                  {"dense", fwd_bwd({a, dense_b.detach()}, dy, dense, {true, false})}};
+                 // Written: the output; the backward's a and b gradients (a's alone, frozen).
+                 fwd.written = e * S * N;
+                 both.written = e * (S * N + S * s.H + s.E * N * s.H);
+                 frozen.written = e * (S * N + S * s.H);
                  return std::vector<Case>{fwd, both, frozen};
                },
                3))
@@ -180,6 +184,11 @@ std::vector<CaseBuilder> experts_cases(const std::string& dtype, const ShapeFilt
                              {}};
                  frozen.impls = {{"kernmap", fwd_bwd(frozen_in, dy, kern, frozen_weights)},
                                  {"reference", fwd_bwd(frozen_in, dy, ref, frozen_weights), 1}};
+                 // Written: the output; the hidden states' gradient, and the weights' gradients unless
+                 // frozen.
+                 fwd.written = e * s.T * s.H;
+                 both.written = weight_bytes + 2 * e * s.T * s.H;
+                 frozen.written = 2 * e * s.T * s.H;
                  return std::vector<Case>{fwd, both, frozen};
                },
                3))

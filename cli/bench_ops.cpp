@@ -21,6 +21,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -222,6 +223,40 @@ void copy_streamed(const float* src, float* dst, int64_t n) {
 #endif
 }
 
+// A read of n floats, 64-byte pieces split among the threads, summed into eight SSE2 accumulators (each
+// piece's loads independent of the last's sums): the memory's read rate, which a case that mostly reads is
+// held to (Case::written). Returns the sum, so that the reads are not dropped.
+float read_streamed(const float* src, int64_t n) {
+  constexpr int64_t kLine = 16;
+  const int64_t lines = n / kLine;
+  std::atomic<float> total{0};
+  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
+#if defined(__SSE2__)
+    __m128 acc[8];
+    for (auto& a : acc) a = _mm_setzero_ps();
+    int64_t l = begin;
+    for (; l + 1 < end; l += 2)
+      for (int k = 0; k < 8; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(src + l * kLine + 4 * k));
+    for (; l < end; ++l)
+      for (int k = 0; k < 4; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(src + l * kLine + 4 * k));
+    alignas(16) float lanes[4];
+    __m128 s = _mm_setzero_ps();
+    for (const auto& a : acc) s = _mm_add_ps(s, a);
+    _mm_store_ps(lanes, s);
+    float part = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+    float part = 0;
+    for (int64_t i = begin * kLine; i < end * kLine; ++i) part += src[i];
+#endif
+    float seen = total.load();
+    while (!total.compare_exchange_weak(seen, seen + part)) {
+    }
+  });
+  float tail = 0;
+  for (int64_t i = lines * kLine; i < n; ++i) tail += src[i];
+  return total.load() + tail;
+}
+
 struct CopyProbe {
   static constexpr int64_t kMaxFloats = int64_t(1) << 26;
   int64_t floats;
@@ -242,25 +277,32 @@ struct CopyProbe {
   static int64_t floats_for(double bytes) {
     return std::clamp(static_cast<int64_t>(bytes / 8), int64_t(1), kMaxFloats);
   }
-  /// The copy by plain stores (torch's) and the streamed one; the probe's rate is the faster's.
+  /// The copy by plain stores (torch's), the streamed one (the copy rate: the faster's), and a read of the
+  /// source (the read rate).
   std::vector<Impl> impls() {
     return {
         {"copy", [this] { dst.copy_(src); }},
-        {"copy streamed", [this] { copy_streamed(src.data_ptr<float>(), dst.data_ptr<float>(), floats); }}};
+        {"copy streamed", [this] { copy_streamed(src.data_ptr<float>(), dst.data_ptr<float>(), floats); }},
+        {"read", [this] { sink = read_streamed(src.data_ptr<float>(), floats); }}};
   }
+  static constexpr size_t kImpls = 3;
   double gbps(const Timing& t) const { return 2.0 * static_cast<double>(floats) * 4 / (t.median_ms * 1e6); }
+  double read_gbps(const Timing& t) const { return static_cast<double>(floats) * 4 / (t.median_ms * 1e6); }
+  volatile float sink = 0;
 };
 
-/// A probe's two rates, GB/s.
+/// A probe's rates, GB/s: the copy by plain and by streamed stores (read + written), the read.
 struct CopyRate {
-  double plain = 0, streamed = 0;
+  double plain = 0, streamed = 0, read = 0;
   double best() const { return std::max(plain, streamed); }
   const char* by() const { return streamed > plain ? "streamed" : "plain"; }
 };
 
-/// Pops the probe's two timings off the back of `timings` (pushed as probe.impls() in that order).
+/// Pops the probe's timings off the back of `timings` (pushed as probe.impls() in that order).
 CopyRate pop_copy_rate(const CopyProbe& probe, std::vector<Timing>& timings) {
   CopyRate r;
+  r.read = probe.read_gbps(timings.back());
+  timings.pop_back();
   r.streamed = probe.gbps(timings.back());
   timings.pop_back();
   r.plain = probe.gbps(timings.back());
@@ -512,7 +554,7 @@ int bench_command(const Options& o) {
         timings.pop_back();
         peak["float32"] = std::max(peak["float32"], case_dense);
       }
-      c.impls.resize(c.impls.size() - 2);
+      c.impls.resize(c.impls.size() - CopyProbe::kImpls);
       const CopyRate case_copy = pop_copy_rate(case_probe, timings);
       sized.reset();
       set_cpu_level(start_level);
@@ -545,6 +587,11 @@ int bench_command(const Options& o) {
   // the machine's fp32 and case-dtype rates).
   auto floor_of = [&](const Row& r) {
     Floor f{r.c.bytes / (r.copy.best() * 1e6), "copy"};
+    // The bytes read alone at the read rate, where the case states what it writes (Case::written).
+    if (r.c.written >= 0 && r.copy.read > 0) {
+      const double read_ms = (r.c.bytes - r.c.written) / (r.copy.read * 1e6);
+      if (read_ms > f.ms) f = {read_ms, "read"};
+    }
     if (r.c.flops <= 0) return f;
     const bool level_bound = !r.level.empty() && r.c.level_bound_flops;
     double compute = 0;
@@ -598,6 +645,8 @@ int bench_command(const Options& o) {
                   {"copy_by", r.copy.by()},
                   {"copy_plain_gbps", r.copy.plain},
                   {"copy_streamed_gbps", r.copy.streamed},
+                  {"read_gbps", r.copy.read},
+                  {"bytes_written", r.c.written >= 0 ? Json(r.c.written) : Json(nullptr)},
                   {"copy_probe_bytes", r.copy_probe_bytes},
                   {"dense_gflops", r.dense_gflops > 0 ? Json(r.dense_gflops) : Json(nullptr)},
                   {"pct_of_copy", 100 * gbps(r) / r.copy.best()},
@@ -626,6 +675,7 @@ int bench_command(const Options& o) {
            {"copy_gbps", copy},
            {"copy_plain_gbps", start_copy.plain},
            {"copy_streamed_gbps", start_copy.streamed},
+           {"read_gbps", start_copy.read},
            {"copy_huge_pages", probe.huge_pages},
            {"dense_gflops", dense},
            {"level_dense_gflops", level_dense},
@@ -653,9 +703,10 @@ int bench_command(const Options& o) {
   }
   std::printf(
       "limits: copy bandwidth %.1f GB/s (read + write; plain stores %.1f, streamed %.1f; %s; %.1f..%.1f "
-      "measured among the cases' own repetitions on each case's bytes, each row's floor from its case's)",
+      "measured among the cases' own repetitions on each case's bytes, each row's floor from its case's), "
+      "read %.1f GB/s",
       copy, start_copy.plain, start_copy.streamed, probe.huge_pages ? "huge pages" : "4 KiB pages", case_min,
-      case_max);
+      case_max, start_copy.read);
   for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
   for (const auto& [level, limit] : level_limits)
     if (limit.gflops > 0)

@@ -50,6 +50,16 @@ def test_cpu_level_override(run_cli):
     assert "KERNMAP_CPU_ISA=sse9 is not a level" in bad.stderr
 
 
+def byte_floor(row):
+    """A bench row's byte floor (source, ms): its bytes at the copy rate, or its bytes read at the read rate
+    where it states what it writes, whichever is longer."""
+    copy = row["bytes"] / (row["copy_gbps"] * 1e6)
+    if row["bytes_written"] is None:
+        return "copy", copy
+    read = (row["bytes"] - row["bytes_written"]) / (row["read_gbps"] * 1e6)
+    return ("read", read) if read > copy else ("copy", copy)
+
+
 def test_bench_json_document(run_cli):
     out = run_cli("bench", "ops", "--json", "--filter", "^rms_norm/bfloat16", "--warmup", "0", "--reps", "1")
     assert out.returncode == 0, out.stderr
@@ -59,6 +69,7 @@ def test_bench_json_document(run_cli):
     # The copy limit: the faster of plain stores (torch's copy_) and streamed ones (no read of the lines written).
     assert machine["copy_plain_gbps"] > 0 and machine["copy_streamed_gbps"] > 0
     assert machine["copy_gbps"] == max(machine["copy_plain_gbps"], machine["copy_streamed_gbps"])
+    assert machine["read_gbps"] > 0
     assert isinstance(machine["copy_huge_pages"], bool)
     assert machine["dense_gflops"] == {}  # rms_norm does no FLOPs worth a GEMM peak
     assert machine["cpu_model"] and machine["cpu_level"] in machine["cpu_levels_supported"]
@@ -73,9 +84,14 @@ def test_bench_json_document(run_cli):
         assert r["dtype"] == "bfloat16" and r["shape"] == "[4096, 3584]"
         assert r["median_ms"] > 0 and r["gbps"] > 0 and r["floor_ms"] > 0 and "gflops" not in r
         assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["faults_per_run"] >= 0
-        assert r["floor_source"] == "copy" and r["flops"] == 0 and r["dense_gflops"] is None
-        # The copy floor from the bandwidth measured among the case's own repetitions (one per case).
-        assert r["copy_gbps"] > 0 and r["floor_ms"] == pytest.approx(r["bytes"] / (r["copy_gbps"] * 1e6))
+        assert r["flops"] == 0 and r["dense_gflops"] is None
+        # The byte floor from the rates measured among the case's own repetitions (one per case): the bytes at
+        # the copy rate, or the bytes read (all but the output and, fwd+bwd, dx and dw) at the read rate.
+        n = 4096 * 3584 * 2
+        assert r["bytes_written"] == (n if r["pass"] == "fwd" else 2 * n + 2 * 3584)
+        assert r["copy_gbps"] > 0 and r["read_gbps"] > 0
+        source, ms = byte_floor(r)
+        assert r["floor_source"] == source and r["floor_ms"] == pytest.approx(ms)
         assert r["pct_of_copy"] == pytest.approx(100 * r["gbps"] / r["copy_gbps"])
         assert r["copy_gbps"] == max(r["copy_plain_gbps"], r["copy_streamed_gbps"])
         assert r["copy_by"] == ("streamed" if r["copy_streamed_gbps"] > r["copy_plain_gbps"] else "plain")
@@ -164,8 +180,9 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
         if r["level"] in ("avx512bf16", "amx", None):  # bf16 products, or the dense row (not kernmap's)
             rates["gemm bf16"] = dense["bfloat16"]
         source, rate = max(rates.items(), key=lambda kv: kv[1])
-        compute, memory = r["flops"] / (rate * 1e6), r["bytes"] / (r["copy_gbps"] * 1e6)
-        assert r["flops"] > 0 and r["floor_source"] == (source if compute > memory else "copy"), r
+        memory_source, memory = byte_floor(r)
+        compute = r["flops"] / (rate * 1e6)
+        assert r["flops"] > 0 and r["floor_source"] == (source if compute > memory else memory_source), r
         assert r["floor_ms"] == pytest.approx(max(compute, memory))
         assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
 
@@ -225,7 +242,7 @@ def test_bench_ops_without_openblas_holds_a_lower_level_to_the_machines_rate_and
     below = doc["machine"]["level_dense_gflops"][levels[0]]
     assert below["float32"] is None and "cannot load OpenBLAS" in below["error"]
     (row,) = doc["results"]
-    assert row["level"] == levels[0] and row["floor_source"] in ("gemm fp32", "copy")
+    assert row["level"] == levels[0] and row["floor_source"] in ("gemm fp32", "copy", "read")
 
 
 def test_bench_limit_refuses_a_level_this_cpu_does_not_run(run_cli):
