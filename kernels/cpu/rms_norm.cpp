@@ -300,6 +300,11 @@ inline V round_grad(V v) {
 // accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's) and parks
 // g in the thread's row buffer for the second (bf16 below AVX-512: in the pairs' lane order,
 // store_pair_lanes). With bf16 x and dy below AVX-512 the first pass runs in pairs too (kPairedFirstPass).
+// The first pass fetches x and dy kAheadBytes ahead (vec.h, fetch_ahead; past the row's end into the next
+// row's), the second reads x and g from L1 and fetches nothing: asking for the whole next row during the
+// second pass, as the backward did until 2026-12-06, ran slower than no prefetch at all on xeon-amx-vm (fp32
+// [4096, 3584], 2 threads: 5.0-6.1 ms next row, 4.4-5.2 none, 4.2-4.9 ahead; bf16 2.9 -> 2.4-2.5 at
+// avx512bf16; docs/performance.md, "Inputs fetched ahead").
 template <bool Add, bool Stream, class X, class Y>
 void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
               const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
@@ -321,12 +326,13 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     const X* dsr = Add ? d_sum + r * d_sum_s : nullptr;
     const X* xr = x + r * xs;
     X* dxr = dx + r * H;
-    const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
     // rstd is an input of the backward ops: a NaN of any payload becomes the default NaN, whose low bits the
     // arithmetic roundings of its products (round_grad, the residual's dx) cannot carry out of.
     const A rs = rstd[r] == rstd[r] ? rstd[r] : std::numeric_limits<A>::quiet_NaN();
     const auto step = [&](int64_t i, V& a) {
       if constexpr (Add) prefetch(dsr + i);
+      fetch_ahead(xr + i);
+      fetch_ahead(dyr + i);
       V h = load<A>(xr + i);
       V d = load<A>(dyr + i);
       const V g = round_grad<X, Y>(d * load<A>(w + i));
@@ -343,6 +349,8 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
           Hb,
           [&](auto p, VF& a0, VF& a1) {
             if constexpr (Add) prefetch(dsr + p);
+            fetch_ahead(xr + p);
+            fetch_ahead(dyr + p);
             VF h[2], d[2], g[2];
             load_bf16_pair(xr + p, h[0], h[1]);
             load_bf16_pair(dyr + p, d[0], d[1]);
@@ -372,10 +380,6 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     int64_t i = 0;
     if constexpr (kPairedBf16<X>) {
       i = paired_bf16_blocks<X>(Hb, [&](auto p) {
-        for (int64_t q = p; q < p + 2 * kBlock; q += kBlock) {
-          prefetch(dy + rn * dys + q);
-          prefetch(x + rn * xs + q);
-        }
         VF h[2], v[2];
         load_bf16_pair(xr + p, h[0], h[1]);
         for (int k = 0; k < 2; ++k) v[k] = nmadd(VF{} + c, h[k], rs * load<A>(grow + p + k * kBlock));
@@ -388,8 +392,6 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
       });
     }
     for (; i < Hb; i += kBlock) {
-      prefetch(dy + rn * dys + i);
-      prefetch(x + rn * xs + i);
       V h = load<A>(xr + i);
       V g = load<A>(grow + i);
       if constexpr (Add) {  // c, h, r and g hold X values or the default NaN: round_block_arith
