@@ -53,6 +53,7 @@ struct Options {
   std::string levels;  // "all" or a comma list; empty: the level in use only
   int warmup = 3;
   int reps = 11;
+  bool warm = false;  // --warm-caches: no empty_caches before each run
 };
 
 // The vector width a kernmap level and a torch (ATen) capability have in common, to compare the two: 0 for
@@ -116,6 +117,58 @@ bool runs_kernmap(const Impl& im) {
   return im.name.find("kernmap") != std::string::npos;
 }
 
+// A read of n floats, 64-byte pieces split among the threads, summed into eight SSE2 accumulators (each
+// piece's loads independent of the last's sums): the memory's read rate, which a case that mostly reads is
+// held to (Case::written). Returns the sum, so that the reads are not dropped.
+float read_streamed(const float* src, int64_t n) {
+  constexpr int64_t kLine = 16;
+  const int64_t lines = n / kLine;
+  std::atomic<float> total{0};
+  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
+#if defined(__SSE2__)
+    __m128 acc[8];
+    for (auto& a : acc) a = _mm_setzero_ps();
+    int64_t l = begin;
+    for (; l + 1 < end; l += 2)
+      for (int k = 0; k < 8; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(src + l * kLine + 4 * k));
+    for (; l < end; ++l)
+      for (int k = 0; k < 4; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(src + l * kLine + 4 * k));
+    alignas(16) float lanes[4];
+    __m128 s = _mm_setzero_ps();
+    for (const auto& a : acc) s = _mm_add_ps(s, a);
+    _mm_store_ps(lanes, s);
+    float part = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+    float part = 0;
+    for (int64_t i = begin * kLine; i < end * kLine; ++i) part += src[i];
+#endif
+    float seen = total.load();
+    while (!total.compare_exchange_weak(seen, seen + part)) {
+    }
+  });
+  float tail = 0;
+  for (int64_t i = lines * kLine; i < n; ++i) tail += src[i];
+  return total.load() + tail;
+}
+
+// The caches emptied of what the last run left: a read of twice the last-level cache (cpu_caches: one
+// instance's, or what the system lists; at most 1 GiB, at least 64 MiB), before every run of every
+// implementation, probes included. Without it the implementations of a case that fits a large last-level
+// cache read their inputs from it, the later ones more than the first (kernmap's levels run back to back on
+// the same tensors) and more than the probes: on xeon-amx-vm (sysfs L3 480 MiB, 2026-12-06) fp32 rms_norm fwd
+// [4096, 3584] read 52 GB/s against a 45 GB/s streamed copy, 0.75x "its floor". Every row is then timed from
+// memory, the floor's terms.
+volatile float empty_caches_sum = 0;  // kept, so that the read is not dropped
+void empty_caches() {
+  static const at::Tensor buf = [] {
+    const int64_t bytes = std::clamp<int64_t>(2 * cpu_caches().l3_bytes, int64_t(64) << 20, int64_t(1) << 30);
+    at::Tensor t = at::ones({bytes / 4});
+    (void)advise_huge_pages(t);
+    return t;
+  }();
+  empty_caches_sum = read_streamed(buf.const_data_ptr<float>(), buf.numel());
+}
+
 struct Timing {
   double median_ms, min_ms, max_ms;
   double peak_bytes = 0;      ///< the most CPU memory one run allocated above what was live before it
@@ -160,6 +213,7 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
     for (size_t i = 0; i < impls.size(); ++i) {
       const int cap = impls[i].reps_cap;
       if (cap > 0 && (r < warmup || static_cast<int>(ms[i].size()) >= cap)) continue;
+      if (!o.warm) empty_caches();
       reset_cpu_memory_peak();
       const int64_t before = cpu_memory().in_use;
       const int64_t faults = minor_faults();
@@ -221,40 +275,6 @@ void copy_streamed(const float* src, float* dst, int64_t n) {
 #else
   std::copy(src, src + n, dst);
 #endif
-}
-
-// A read of n floats, 64-byte pieces split among the threads, summed into eight SSE2 accumulators (each
-// piece's loads independent of the last's sums): the memory's read rate, which a case that mostly reads is
-// held to (Case::written). Returns the sum, so that the reads are not dropped.
-float read_streamed(const float* src, int64_t n) {
-  constexpr int64_t kLine = 16;
-  const int64_t lines = n / kLine;
-  std::atomic<float> total{0};
-  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
-#if defined(__SSE2__)
-    __m128 acc[8];
-    for (auto& a : acc) a = _mm_setzero_ps();
-    int64_t l = begin;
-    for (; l + 1 < end; l += 2)
-      for (int k = 0; k < 8; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(src + l * kLine + 4 * k));
-    for (; l < end; ++l)
-      for (int k = 0; k < 4; ++k) acc[k] = _mm_add_ps(acc[k], _mm_loadu_ps(src + l * kLine + 4 * k));
-    alignas(16) float lanes[4];
-    __m128 s = _mm_setzero_ps();
-    for (const auto& a : acc) s = _mm_add_ps(s, a);
-    _mm_store_ps(lanes, s);
-    float part = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-#else
-    float part = 0;
-    for (int64_t i = begin * kLine; i < end * kLine; ++i) part += src[i];
-#endif
-    float seen = total.load();
-    while (!total.compare_exchange_weak(seen, seen + part)) {
-    }
-  });
-  float tail = 0;
-  for (int64_t i = lines * kLine; i < n; ++i) tail += src[i];
-  return total.load() + tail;
 }
 
 struct CopyProbe {
@@ -679,7 +699,8 @@ int bench_command(const Options& o) {
            {"copy_huge_pages", probe.huge_pages},
            {"dense_gflops", dense},
            {"level_dense_gflops", level_dense},
-           {"threads", at::get_num_threads()}}},
+           {"threads", at::get_num_threads()},
+           {"caches_emptied", !o.warm}}},
          {"results", results}});
     return 0;
   }
@@ -711,8 +732,9 @@ int bench_command(const Options& o) {
   for (const auto& [level, limit] : level_limits)
     if (limit.gflops > 0)
       std::printf(", at %s %.1f (fp32, OpenBLAS %s)", level.c_str(), limit.gflops, limit.core.c_str());
-  std::printf("; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians\n\n",
-              at::get_num_threads(), o.warmup, o.reps);
+  std::printf("; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians%s\n\n",
+              at::get_num_threads(), o.warmup, o.reps,
+              o.warm ? ", warm caches" : ", every run from memory (caches emptied before it)");
   for (const auto& [level, limit] : level_limits)
     if (limit.gflops <= 0)
       std::printf(
@@ -757,6 +779,9 @@ Command add_bench_command(CLI::App& parent) {
   // Every repetition runs the op once more and keeps its time: a hundred thousand of the fastest case take
   // minutes, of the MoE cases hours.
   add_integer(*ops, "--warmup", o->warmup, 0, 100000, "untimed runs of each implementation first");
+  ops->add_flag("--warm-caches", o->warm,
+                "do not empty the caches before each run (by default every run starts from memory, as the "
+                "floors assume)");
   add_integer(*ops, "--reps", o->reps, 1, 100000,
               "timed runs of each implementation, whose median is reported");
   CLI::App* limit = bench->add_subcommand(
