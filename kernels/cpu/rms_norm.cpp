@@ -303,8 +303,9 @@ inline V round_grad(V v) {
 // The first pass fetches x and dy kAheadBytes ahead (vec.h, fetch_ahead; past the row's end into the next
 // row's), the second reads x and g from L1 and fetches nothing: asking for the whole next row during the
 // second pass, as the backward did until 2026-12-06, ran slower than no prefetch at all on xeon-amx-vm (fp32
-// [4096, 3584], 2 threads: 5.0-6.1 ms next row, 4.4-5.2 none, 4.2-4.9 ahead; bf16 2.9 -> 2.4-2.5 at
-// avx512bf16; docs/performance.md, "Inputs fetched ahead").
+// [4096, 3584], 2 threads, inputs in its 480 MiB L3: 5.0-6.1 ms next row, 4.4-5.2 none, 4.2-4.9 ahead; bf16
+// 2.9 -> 2.4-2.5 at avx512bf16); from memory, fwd+bwd fp32 1.10-1.13x faster at every level, bf16 1.02-1.08x
+// (docs/performance.md, "Inputs fetched ahead").
 template <bool Add, bool Stream, class X, class Y>
 void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
               const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
