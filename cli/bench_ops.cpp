@@ -236,25 +236,6 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
   return out;
 }
 
-// The copy bandwidth probe: a float32 buffer copied into another, bytes read + bytes written. Measured once
-// at the start on 256 MiB (far beyond the caches: the run's `limits` line) and again inside every case, its
-// repetitions interleaved with the case's implementations, so that a row's copy floor comes from the same
-// moments as its own times: on a shared machine the bandwidth moves by tens of percent within a run, and one
-// figure from the start misstates later rows either way.
-//
-// Inside a case the probe copies as many bytes as the case moves (up to the 256 MiB), so that it meets the
-// caches as the case's implementations do: a case whose tensors partly stay in a large last-level cache
-// between repetitions runs faster than memory, and a floor at the memory's rate flatters it. On xeon-amx-vm
-// (2026-12-06; sysfs L3 480 MiB) the fp32 rms_norm fwd [4096, 3584] case (117 MB) ran at 36 GB/s against a
-// 24 GB/s 256 MiB copy: 0.70x "its floor".
-//
-// Its buffers are on huge pages where the system grants them, as the large blocks kernmap's kernels write and
-// the MoE cases' weights are (kernmap/memory.h): on 4 KiB pages the probe read 14-17 GB/s inside the MoE
-// fwd+bwd cases (3-8 in the fused loss's) against 23-26 at the start, with no page fault, while the cases'
-// kernels ran at their usual speed — the page walks of a copy in a process holding GBs, not the machine —
-// and the rows read 0.90x "their floor" (xeon-amx-vm, 2026-12-06). On huge pages the same cases' probes read
-// 22-26. `huge_pages` says whether both buffers got them (no THP, buffers under 16 MiB, KERNMAP_HUGE_PAGES=0:
-// 4 KiB pages, as the kernels' memory then).
 // A copy whose stores bypass the caches (SSE2's non-temporal 16-byte stores, every x86-64 CPU), 64-byte
 // pieces split among the threads: plain stores first read each line they write (a copy of n bytes moves 3n),
 // and kernmap's kernels stream their large outputs (kernels/cpu/vec.h), so a plain copy alone understates
@@ -277,6 +258,25 @@ void copy_streamed(const float* src, float* dst, int64_t n) {
 #endif
 }
 
+// The byte-rate probe: a float32 buffer copied into another by plain stores and by streamed ones (bytes read
+// + bytes written; the copy rate is the faster's), and read alone (the read rate). Measured once at the start
+// on 256 MiB (far beyond the caches: the run's `limits` line) and again inside every case, its
+// repetitions interleaved with the case's implementations, so that a row's copy floor comes from the same
+// moments as its own times: on a shared machine the bandwidth moves by tens of percent within a run, and one
+// figure from the start misstates later rows either way.
+//
+// Inside a case the probe moves as many bytes as the case (up to 256 MiB a buffer), so that it meets the
+// caches as the case's implementations do (from memory, empty_caches, unless --warm-caches). With warm caches
+// and one plain copy of 256 MiB the fp32 rms_norm fwd [4096, 3584] case (117 MB) ran at 36 GB/s against 24:
+// 0.70x "its floor" (xeon-amx-vm, 2026-12-06; sysfs L3 480 MiB).
+//
+// Its buffers are on huge pages where the system grants them, as the large blocks kernmap's kernels write and
+// the MoE cases' weights are (kernmap/memory.h): on 4 KiB pages the probe read 14-17 GB/s inside the MoE
+// fwd+bwd cases (3-8 in the fused loss's) against 23-26 at the start, with no page fault, while the cases'
+// kernels ran at their usual speed — the page walks of a copy in a process holding GBs, not the machine —
+// and the rows read 0.90x "their floor" (xeon-amx-vm, 2026-12-06). On huge pages the same cases' probes read
+// 22-26. `huge_pages` says whether both buffers got them (no THP, buffers under 16 MiB, KERNMAP_HUGE_PAGES=0:
+// 4 KiB pages, as the kernels' memory then).
 struct CopyProbe {
   static constexpr int64_t kMaxFloats = int64_t(1) << 26;
   int64_t floats;
