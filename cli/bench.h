@@ -18,6 +18,9 @@ struct Impl {
   /// When > 0: timed this many times at most, without warm-up (an implementation that takes minutes, such as
   /// the eager experts loop's backward, which materializes a full-size weight gradient per expert).
   int reps_cap = 0;
+  /// Whether the bench leaves the caches as they are before this implementation's runs (the dense GEMM
+  /// probes: a product's best rate, operands cached, is the compute limit), instead of emptying them.
+  bool keep_caches = false;
 };
 
 struct Case {

@@ -153,11 +153,11 @@ float read_streamed(const float* src, int64_t n) {
 
 // The caches emptied of what the last run left: a read of twice the last-level cache (cpu_caches: one
 // instance's, or what the system lists; at most 1 GiB, at least 64 MiB), before every run of every
-// implementation, probes included. Without it the implementations of a case that fits a large last-level
-// cache read their inputs from it, the later ones more than the first (kernmap's levels run back to back on
-// the same tensors) and more than the probes: on xeon-amx-vm (sysfs L3 480 MiB, 2026-12-06) fp32 rms_norm fwd
-// [4096, 3584] read 52 GB/s against a 45 GB/s streamed copy, 0.75x "its floor". Every row is then timed from
-// memory, the floor's terms.
+// implementation, the byte probes included (not the dense GEMM probes: Impl::keep_caches). Without it the
+// implementations of a case that fits a large last-level cache read their inputs from it, the later ones more
+// than the first (kernmap's levels run back to back on the same tensors) and more than the probes: on
+// xeon-amx-vm (sysfs L3 480 MiB, 2026-12-06) fp32 rms_norm fwd [4096, 3584] read 52 GB/s against a 45 GB/s
+// streamed copy, 0.75x "its floor". Every row is then timed from memory, the floor's terms.
 volatile float empty_caches_sum = 0;  // kept, so that the read is not dropped
 void empty_caches() {
   static const at::Tensor buf = [] {
@@ -213,7 +213,7 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
     for (size_t i = 0; i < impls.size(); ++i) {
       const int cap = impls[i].reps_cap;
       if (cap > 0 && (r < warmup || static_cast<int>(ms[i].size()) >= cap)) continue;
-      if (!o.warm) empty_caches();
+      if (!o.warm && !impls[i].keep_caches) empty_caches();
       reset_cpu_memory_peak();
       const int64_t before = cpu_memory().in_use;
       const int64_t faults = minor_faults();
@@ -345,10 +345,12 @@ struct DenseProbe {
   DenseProbe(at::ScalarType dt, int64_t side)
       : n(side), a(at::randn({side, side}).to(dt)), b(at::randn({side, side}).to(dt)) {}
   Impl impl() const {
-    return {"dense probe", [this] {
+    return {"dense probe",
+            [this] {
               at::NoGradGuard g;
               at::mm(a, b);
-            }};
+            },
+            0, /*keep_caches=*/true};
   }
   double gflops(const Timing& t) const { return 2.0 * static_cast<double>(n * n * n) / (t.median_ms * 1e6); }
 };
@@ -507,10 +509,13 @@ int bench_command(const Options& o) {
   CopyProbe probe;
   const CopyRate start_copy = copy_rate(probe, o);
   const double copy = start_copy.best();
-  DenseProbe dense_probe;
   // Dense GFLOP/s per dtype, measured when a case does FLOPs: its dtype's and fp32's (the honest limit of a
-  // low-precision case computed in fp32); fp32's again in every product case (DenseProbe), the fastest kept.
+  // low-precision case computed in fp32); both again in every product case (their DenseProbes), the fastest
+  // kept. The case dtype's too: a bf16 rate measured once at a slow moment flattered every bf16 product row
+  // (xeon-amx-vm, 2026-12-06: 2045 GFLOP/s at a run's start against 2360-2435 in the runs around it, and the
+  // fused loss's bf16 fwd read 0.97x "its floor").
   std::map<std::string, double> peak;
+  std::map<std::string, DenseProbe> dense_probes;
   // The levels run below the CPU's own (its highest supported level: torch's products run there whatever
   // KERNMAP_CPU_ISA says): their kernels' products are held to a CPU of that level's dense fp32 rate,
   // measured when the first case with level-bound FLOPs comes.
@@ -547,8 +552,7 @@ int bench_command(const Options& o) {
         std::fprintf(stderr, "\r[%zu/%zu] %s %s %s %s...          ", i + 1, planned.size(), c.op.c_str(),
                      c.pass.c_str(), dt.c_str(), c.shape.c_str());
       for (const std::string& d : {dt, std::string("float32")})
-        if (c.flops > 0 && !peak.count(d))
-          peak[d] = dense_gflops(d, o, d == "float32" ? &dense_probe : nullptr);
+        if (c.flops > 0 && !peak.count(d)) peak[d] = dense_gflops(d, o, &dense_probes[d]);
       if (c.flops > 0 && c.level_bound_flops)
         for (const std::string& level : levels)
           if (level != cpu_top && !level_limits.count(level))
@@ -564,15 +568,20 @@ int bench_command(const Options& o) {
       if (probe_floats < probe.floats) sized = std::make_unique<CopyProbe>(probe_floats);
       CopyProbe& case_probe = sized ? *sized : probe;
       for (Impl& im : case_probe.impls()) c.impls.push_back(std::move(im));
-      const bool dense_case = c.flops > 0;
-      if (dense_case) c.impls.push_back(dense_probe.impl());  // and fp32 dense rate
+      // and the dense rates of fp32 and of the case's dtype
+      std::vector<std::string> dense_dtypes;
+      if (c.flops > 0)
+        dense_dtypes =
+            dt == "float32" ? std::vector<std::string>{dt} : std::vector<std::string>{"float32", dt};
+      for (const std::string& d : dense_dtypes) c.impls.push_back(dense_probes.at(d).impl());
       std::vector<Timing> timings = time_interleaved(c.impls, co);
       double case_dense = 0;
-      if (dense_case) {
+      for (auto d = dense_dtypes.rbegin(); d != dense_dtypes.rend(); ++d) {
         c.impls.pop_back();
-        case_dense = dense_probe.gflops(timings.back());
+        const double rate = dense_probes.at(*d).gflops(timings.back());
         timings.pop_back();
-        peak["float32"] = std::max(peak["float32"], case_dense);
+        peak[*d] = std::max(peak[*d], rate);
+        if (*d == "float32") case_dense = rate;
       }
       c.impls.resize(c.impls.size() - CopyProbe::kImpls);
       const CopyRate case_copy = pop_copy_rate(case_probe, timings);
