@@ -30,8 +30,8 @@ struct Case {
   int max_reps = 0;  ///< caps --reps for cases that take seconds per repetition (0: no cap)
   std::vector<Impl> impls;
   /// The part of `bytes` written (< 0: not stated). Where stated, the bytes read also floor the case at the
-  /// machine's read rate, which is below half its copy rate on some CPUs: a case that mostly reads (MoE
-  /// weights) cannot move its bytes at the copy rate.
+  /// machine's read rate, which can be below its copy rate (bytes read + written: 31-36 against 44-48 GB/s on
+  /// xeon-amx-vm): a case that mostly reads (MoE weights) cannot move its bytes at the copy rate.
   double written = -1;
   /// Whether kernmap's implementation computes the FLOPs in kernmap's CPU kernels, bound to the level they
   /// run at (false: through ATen's BLAS or oneDNN, which use the CPU's best instructions whatever the level,

@@ -119,13 +119,13 @@ bool runs_kernmap(const Impl& im) {
 
 // A read of n floats, 64-byte pieces split among the threads, summed into eight SSE2 accumulators (each
 // piece's loads independent of the last's sums): the memory's read rate, which a case that mostly reads is
-// held to (Case::written). Returns the sum, so that the reads are not dropped.
-float read_streamed(const float* src, int64_t n) {
+// held to (Case::written). The sum goes to read_sum, so that the reads are not dropped.
+volatile float read_sum = 0;
+void read_streamed(const float* src, int64_t n) {
   constexpr int64_t kLine = 16;
   const int64_t lines = n / kLine;
   std::atomic<float> total{0};
   at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
-#if defined(__SSE2__)
     __m128 acc[8];
     for (auto& a : acc) a = _mm_setzero_ps();
     int64_t l = begin;
@@ -137,18 +137,11 @@ float read_streamed(const float* src, int64_t n) {
     __m128 s = _mm_setzero_ps();
     for (const auto& a : acc) s = _mm_add_ps(s, a);
     _mm_store_ps(lanes, s);
-    float part = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-#else
-    float part = 0;
-    for (int64_t i = begin * kLine; i < end * kLine; ++i) part += src[i];
-#endif
-    float seen = total.load();
-    while (!total.compare_exchange_weak(seen, seen + part)) {
-    }
+    total.fetch_add(lanes[0] + lanes[1] + lanes[2] + lanes[3], std::memory_order_relaxed);
   });
   float tail = 0;
   for (int64_t i = lines * kLine; i < n; ++i) tail += src[i];
-  return total.load() + tail;
+  read_sum = total.load() + tail;
 }
 
 // The caches emptied of what the last run left: a read of twice the last-level cache (cpu_caches: one
@@ -158,7 +151,6 @@ float read_streamed(const float* src, int64_t n) {
 // than the first (kernmap's levels run back to back on the same tensors) and more than the probes: on
 // xeon-amx-vm (sysfs L3 480 MiB, 2026-12-06) fp32 rms_norm fwd [4096, 3584] read 52 GB/s against a 45 GB/s
 // streamed copy, 0.75x "its floor". Every row is then timed from memory, the floor's terms.
-volatile float empty_caches_sum = 0;  // kept, so that the read is not dropped
 void empty_caches() {
   static const at::Tensor buf = [] {
     const int64_t bytes = std::clamp<int64_t>(2 * cpu_caches().l3_bytes, int64_t(64) << 20, int64_t(1) << 30);
@@ -166,7 +158,7 @@ void empty_caches() {
     (void)advise_huge_pages(t);
     return t;
   }();
-  empty_caches_sum = read_streamed(buf.const_data_ptr<float>(), buf.numel());
+  read_streamed(buf.const_data_ptr<float>(), buf.numel());
 }
 
 struct Timing {
@@ -241,7 +233,6 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
 // and kernmap's kernels stream their large outputs (kernels/cpu/vec.h), so a plain copy alone understates
 // what the memory does. Tail floats go by plain stores.
 void copy_streamed(const float* src, float* dst, int64_t n) {
-#if defined(__SSE2__)
   constexpr int64_t kLine = 16;  // floats in a 64-byte line
   const int64_t lines = n / kLine;
   at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
@@ -253,9 +244,6 @@ void copy_streamed(const float* src, float* dst, int64_t n) {
     _mm_sfence();
   });
   std::copy(src + lines * kLine, src + n, dst + lines * kLine);
-#else
-  std::copy(src, src + n, dst);
-#endif
 }
 
 // The byte-rate probe: a float32 buffer copied into another by plain stores and by streamed ones (bytes read
@@ -303,12 +291,11 @@ struct CopyProbe {
     return {
         {"copy", [this] { dst.copy_(src); }},
         {"copy streamed", [this] { copy_streamed(src.data_ptr<float>(), dst.data_ptr<float>(), floats); }},
-        {"read", [this] { sink = read_streamed(src.data_ptr<float>(), floats); }}};
+        {"read", [this] { read_streamed(src.data_ptr<float>(), floats); }}};
   }
   static constexpr size_t kImpls = 3;
   double gbps(const Timing& t) const { return 2.0 * static_cast<double>(floats) * 4 / (t.median_ms * 1e6); }
   double read_gbps(const Timing& t) const { return static_cast<double>(floats) * 4 / (t.median_ms * 1e6); }
-  volatile float sink = 0;
 };
 
 /// A probe's rates, GB/s: the copy by plain and by streamed stores (read + written), the read.
