@@ -465,7 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"machine": machine, "results": rows}))
         return 0
-    print(f"machine: copy bandwidth {copy_bw:.1f} GB/s (read + write), {machine['threads']} threads, ATen CPU level "
+    # The plain copy_ (whose stores read every line they write) with warm caches: a relative scale for the
+    # layers' rows, not a floor; `kernmap bench ops` floors each kernel at the faster of this and a streamed copy
+    # of the case's own bytes, a read rate, and runs from memory (docs/development.md, "Benchmarks").
+    print(f"machine: copy bandwidth {copy_bw:.1f} GB/s (Tensor.copy_, read + write; not a floor: `kernmap bench ops` "
+          f"measures those), {machine['threads']} threads, ATen CPU level "
           f"{machine['cpu_level']}; {args.warmup} warm-up + {args.reps} timed reps, interleaved, medians\n")
     header = ["layer", "pass", "dtype", "shape", "impl", "median ms", "min..max ms", "GB/s", "% copy", "GFLOP/s",
               "peak MB", "vs eager"]
