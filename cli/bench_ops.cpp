@@ -119,10 +119,17 @@ bool runs_kernmap(const Impl& im) {
 
 // The byte probes' loads and stores: 32 bytes at a time (AVX) where the CPU has AVX, else 16 (SSE2, every
 // x86-64 CPU). On zen3-vm (AMD EPYC Zen 3, 2026-12-07) a C++ copy of 256 MiB by SSE2's streamed stores ran
-// 28.5-33.9 GB/s (medians of 12, five rounds) against 34.7-38.4 by AVX's, and a read 19 against 25-26: a
-// 16-byte probe there states a looser floor than the memory allows. kernmap's fp32 rows stream 32 bytes at a
-// time from avx2 up (kernels/cpu/vec.h).
-const bool kProbeAvx = __builtin_cpu_supports("avx");
+// 28.5-33.9 GB/s (medians of 12, five rounds) against 34.7-38.4 by AVX's, and the same read loop 19 against
+// 25-26: a 16-byte probe there states a looser floor than the memory allows. kernmap's fp32 rows stream 32
+// bytes at a time from avx2 up (kernels/cpu/vec.h). GCC's check includes the OS's saving of the AVX
+// registers.
+bool probe_avx() {
+  static const bool avx = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx") != 0;
+  }();
+  return avx;
+}
 
 // Lines [begin, end) of src (16 floats each) summed into eight accumulators (each piece's loads independent
 // of the last's sums), returned as one float.
@@ -167,8 +174,9 @@ void read_streamed(const float* src, int64_t n) {
   constexpr int64_t kLine = 16;
   const int64_t lines = n / kLine;
   std::atomic<float> total{0};
+  const bool avx = probe_avx();
   at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
-    const float part = kProbeAvx ? sum_lines_avx(src, begin, end) : sum_lines_sse2(src, begin, end);
+    const float part = avx ? sum_lines_avx(src, begin, end) : sum_lines_sse2(src, begin, end);
     total.fetch_add(part, std::memory_order_relaxed);
   });
   float tail = 0;
@@ -274,14 +282,14 @@ __attribute__((target("avx"))) void copy_lines_avx(const float* src, float* dst,
     for (int k = 0; k < 2; ++k) _mm256_stream_ps(dst + l * 16 + 8 * k, _mm256_loadu_ps(src + l * 16 + 8 * k));
 }
 
-// A copy whose stores bypass the caches (non-temporal, 32 or 16 bytes: kProbeAvx), 64-byte lines split among
+// A copy whose stores bypass the caches (non-temporal, 32 or 16 bytes: probe_avx), 64-byte lines split among
 // the threads: plain stores first read each line they write (a copy of n bytes moves 3n), and kernmap's
 // kernels stream their large outputs (kernels/cpu/vec.h), so a plain copy alone understates what the memory
 // does. Tail floats go by plain stores; so does everything when dst is not aligned to the stores' width.
 void copy_streamed(const float* src, float* dst, int64_t n) {
   constexpr int64_t kLine = 16;  // floats in a 64-byte line
   const int64_t lines = reinterpret_cast<uintptr_t>(dst) % 32 == 0 ? n / kLine : 0;
-  const bool avx = kProbeAvx;
+  const bool avx = probe_avx();
   at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
     if (avx)
       copy_lines_avx(src, dst, begin, end);
