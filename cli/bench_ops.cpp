@@ -117,6 +117,9 @@ bool runs_kernmap(const Impl& im) {
   return im.name.find("kernmap") != std::string::npos;
 }
 
+// Floats in a 64-byte line: the byte probes' unit of work.
+constexpr int64_t kLine = 16;
+
 // The byte probes' loads and stores: 32 bytes at a time (AVX) where the CPU has AVX, else 16 (SSE2, every
 // x86-64 CPU). On zen3-vm (AMD EPYC Zen 3, 2026-12-07) a C++ copy of 256 MiB by SSE2's streamed stores ran
 // 28.5-33.9 GB/s (medians of 12, five rounds) against 34.7-38.4 by AVX's, and the same read loop 19 against
@@ -134,7 +137,6 @@ bool probe_avx() {
 // Lines [begin, end) of src (16 floats each) summed into eight accumulators (each piece's loads independent
 // of the last's sums), returned as one float.
 float sum_lines_sse2(const float* src, int64_t begin, int64_t end) {
-  constexpr int64_t kLine = 16;
   __m128 acc[8];
   for (auto& a : acc) a = _mm_setzero_ps();
   int64_t l = begin;
@@ -149,7 +151,6 @@ float sum_lines_sse2(const float* src, int64_t begin, int64_t end) {
   return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 __attribute__((target("avx"))) float sum_lines_avx(const float* src, int64_t begin, int64_t end) {
-  constexpr int64_t kLine = 16;
   __m256 acc[8];
   for (auto& a : acc) a = _mm256_setzero_ps();
   int64_t l = begin;
@@ -171,7 +172,6 @@ __attribute__((target("avx"))) float sum_lines_avx(const float* src, int64_t beg
 // dropped.
 volatile float read_sum = 0;
 void read_streamed(const float* src, int64_t n) {
-  constexpr int64_t kLine = 16;
   const int64_t lines = n / kLine;
   std::atomic<float> total{0};
   const bool avx = probe_avx();
@@ -272,14 +272,15 @@ std::vector<Timing> time_interleaved(const std::vector<Impl>& impls, const Optio
 // width).
 void copy_lines_sse2(const float* src, float* dst, int64_t begin, int64_t end) {
   for (int64_t l = begin; l < end; ++l) {
-    const auto* s = reinterpret_cast<const __m128i*>(src + l * 16);
-    auto* d = reinterpret_cast<__m128i*>(dst + l * 16);
+    const auto* s = reinterpret_cast<const __m128i*>(src + l * kLine);
+    auto* d = reinterpret_cast<__m128i*>(dst + l * kLine);
     for (int k = 0; k < 4; ++k) _mm_stream_si128(d + k, _mm_loadu_si128(s + k));
   }
 }
 __attribute__((target("avx"))) void copy_lines_avx(const float* src, float* dst, int64_t begin, int64_t end) {
   for (int64_t l = begin; l < end; ++l)
-    for (int k = 0; k < 2; ++k) _mm256_stream_ps(dst + l * 16 + 8 * k, _mm256_loadu_ps(src + l * 16 + 8 * k));
+    for (int k = 0; k < 2; ++k)
+      _mm256_stream_ps(dst + l * kLine + 8 * k, _mm256_loadu_ps(src + l * kLine + 8 * k));
 }
 
 // A copy whose stores bypass the caches (non-temporal, 32 or 16 bytes: probe_avx), 64-byte lines split among
@@ -287,7 +288,6 @@ __attribute__((target("avx"))) void copy_lines_avx(const float* src, float* dst,
 // kernels stream their large outputs (kernels/cpu/vec.h), so a plain copy alone understates what the memory
 // does. Tail floats go by plain stores; so does everything when dst is not aligned to the stores' width.
 void copy_streamed(const float* src, float* dst, int64_t n) {
-  constexpr int64_t kLine = 16;  // floats in a 64-byte line
   const int64_t lines = reinterpret_cast<uintptr_t>(dst) % 32 == 0 ? n / kLine : 0;
   const bool avx = probe_avx();
   at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
