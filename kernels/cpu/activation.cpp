@@ -44,6 +44,7 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
     return;
   }
   const int64_t nb = n - n % kBlock;
+  const SiluTables* gt = gather_rows<T>() ? &silu_tables() : nullptr;  // the tables, read by gathers
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
     T* yr = y + r * n;
@@ -53,6 +54,12 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
       load_bf16_pair(xr + p, v[0], v[1]);
       store_bf16_pair<Stream>(yr + p, silu_rounded_to<T>(v[0]), silu_rounded_to<T>(v[1]));
     });
+    if constexpr (kGatherable<T>) {
+      for (; gt && i < nb; i += kBlock) {
+        fetch_ahead(xr + i);
+        store_packed_block<Stream>(yr + i, gather_silu_packed(gate_indices(xr + i), gt->silu));
+      }
+    }
     for (; i < nb; i += kBlock) {
       fetch_ahead(xr + i);
       auto v = load<A>(xr + i);
@@ -111,6 +118,7 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
     return;
   }
   const int64_t nb = n - n % kBlock;
+  const SiluTables* gt = gather_rows<T>() ? &silu_tables() : nullptr;  // the tables, read by gathers
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
     const T* dyr = dy + r * dys;
@@ -123,6 +131,13 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
       load_bf16_pair(xr + p, v[0], v[1]);
       store_bf16_pair<Stream>(dxr + p, d[0] * dsilu(v[0]), d[1] * dsilu(v[1]));
     });
+    if constexpr (kGatherable<T>) {
+      for (; gt && i < nb; i += kBlock) {
+        fetch_ahead(dyr + i);
+        fetch_ahead(xr + i);
+        store_out<Stream>(dxr + i, load<A>(dyr + i) * gather_grad(gate_indices(xr + i), &gt->grad[0].dsilu));
+      }
+    }
     for (; i < nb; i += kBlock) {
       fetch_ahead(dyr + i);
       fetch_ahead(xr + i);
@@ -137,31 +152,34 @@ template <bool Stream, class T>
 void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int64_t r0, int64_t r1,
                        int64_t n) {
   using A = Acc<T>;
+  const SiluTables* gt = gather_rows<T>() ? &silu_tables() : nullptr;  // the tables, read by gathers
   if constexpr (kTabled<T>) {
-    const SiluTables& t = silu_tables();
-    alignas(64) T e[kChunk];
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* gr = g + r * gs;
-      const T* ur = u + r * us;
-      T* yr = y + r * n;
-      tabled_row(
-          n, [&](int64_t c, int64_t m) { look_up_silu(gr + c, m, t.silu, e); },
-          [&](int64_t c, auto j) {
-            VF a[2], b[2];
-            fetch_ahead(gr + c + j);
-            fetch_ahead(ur + c + j);
-            load_bf16_pair(e + j, a[0], a[1]);
-            load_bf16_pair(ur + c + j, b[0], b[1]);
-            store_bf16_pair<Stream>(yr + c + j, a[0] * b[0], a[1] * b[1]);
-          },
-          [&](int64_t c, auto j) {
-            fetch_ahead(gr + c + j);
-            fetch_ahead(ur + c + j);
-            store_out<Stream>(yr + c + j, load<A>(e + j) * load<A>(ur + c + j));
-          },
-          [&](int64_t c, int64_t j) { yr[c + j] = from_acc<T>(to_acc<A>(e[j]) * to_acc<A>(ur[c + j])); });
+    if (!gt) {
+      const SiluTables& t = silu_tables();
+      alignas(64) T e[kChunk];
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* gr = g + r * gs;
+        const T* ur = u + r * us;
+        T* yr = y + r * n;
+        tabled_row(
+            n, [&](int64_t c, int64_t m) { look_up_silu(gr + c, m, t.silu, e); },
+            [&](int64_t c, auto j) {
+              VF a[2], b[2];
+              fetch_ahead(gr + c + j);
+              fetch_ahead(ur + c + j);
+              load_bf16_pair(e + j, a[0], a[1]);
+              load_bf16_pair(ur + c + j, b[0], b[1]);
+              store_bf16_pair<Stream>(yr + c + j, a[0] * b[0], a[1] * b[1]);
+            },
+            [&](int64_t c, auto j) {
+              fetch_ahead(gr + c + j);
+              fetch_ahead(ur + c + j);
+              store_out<Stream>(yr + c + j, load<A>(e + j) * load<A>(ur + c + j));
+            },
+            [&](int64_t c, int64_t j) { yr[c + j] = from_acc<T>(to_acc<A>(e[j]) * to_acc<A>(ur[c + j])); });
+      }
+      return;
     }
-    return;
   }
   const int64_t nb = n - n % kBlock;
   for (int64_t r = r0; r < r1; ++r) {
@@ -177,6 +195,13 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
       store_bf16_pair<Stream>(yr + p, round_block_arith<T>(silu_rounded_to<T>(a[0])) * b[0],
                               round_block_arith<T>(silu_rounded_to<T>(a[1])) * b[1]);
     });
+    if constexpr (kGatherable<T>) {
+      for (; gt && i < nb; i += kBlock) {
+        fetch_ahead(gr + i);
+        fetch_ahead(ur + i);
+        store_out<Stream>(yr + i, gather_silu(gate_indices(gr + i), gt->silu) * load<A>(ur + i));
+      }
+    }
     for (; i < nb; i += kBlock) {
       fetch_ahead(gr + i);
       fetch_ahead(ur + i);
@@ -204,46 +229,49 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
     u_grad = d * round_block_arith<T>(a * sg);
     g_grad = round_block_arith<T>(d * b) * (sg * (1 + a * (1 - sg)));
   };
+  const SiluTables* gt = gather_rows<T>() ? &silu_tables() : nullptr;  // the tables, read by gathers
   if constexpr (kTabled<T>) {
-    const SiluTables& t = silu_tables();
-    alignas(64) GradEntry e[kChunk];
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* dyr = dy + r * dys;
-      const T* gr = g + r * gs;
-      const T* ur = u + r * us;
-      T* dgr = dg + r * dgs;
-      T* dur = du + r * dus;
-      tabled_row(
-          n, [&](int64_t c, int64_t m) { look_up_grad(gr + c, m, t.grad, e); },
-          [&](int64_t c, auto j) {
-            VF d[2], b[2], s[2], f[2];
-            fetch_ahead(dyr + c + j);
-            fetch_ahead(gr + c + j);
-            fetch_ahead(ur + c + j);
-            load_bf16_pair(dyr + c + j, d[0], d[1]);
-            load_bf16_pair(ur + c + j, b[0], b[1]);
-            load_grad_pair(e + j, f, s);
-            store_bf16_pair<Stream>(dur + c + j, d[0] * s[0], d[1] * s[1]);
-            store_bf16_pair<Stream>(dgr + c + j, round_block_arith<T>(d[0] * b[0]) * f[0],
-                                    round_block_arith<T>(d[1] * b[1]) * f[1]);
-          },
-          [&](int64_t c, auto j) {
-            fetch_ahead(dyr + c + j);
-            fetch_ahead(gr + c + j);
-            fetch_ahead(ur + c + j);
-            const VF d = load<A>(dyr + c + j);
-            VF f, s;
-            load_grad_block(e + j, f, s);
-            store_out<Stream>(dur + c + j, d * s);
-            store_out<Stream>(dgr + c + j, round_block_arith<T>(d * load<A>(ur + c + j)) * f);
-          },
-          [&](int64_t c, int64_t j) {
-            const A d = to_acc<A>(dyr[c + j]);
-            dur[c + j] = from_acc<T>(d * e[j].x_sigmoid);
-            dgr[c + j] = from_acc<T>(round_to<T>(d * to_acc<A>(ur[c + j])) * e[j].dsilu);
-          });
+    if (!gt) {
+      const SiluTables& t = silu_tables();
+      alignas(64) GradEntry e[kChunk];
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* dyr = dy + r * dys;
+        const T* gr = g + r * gs;
+        const T* ur = u + r * us;
+        T* dgr = dg + r * dgs;
+        T* dur = du + r * dus;
+        tabled_row(
+            n, [&](int64_t c, int64_t m) { look_up_grad(gr + c, m, t.grad, e); },
+            [&](int64_t c, auto j) {
+              VF d[2], b[2], s[2], f[2];
+              fetch_ahead(dyr + c + j);
+              fetch_ahead(gr + c + j);
+              fetch_ahead(ur + c + j);
+              load_bf16_pair(dyr + c + j, d[0], d[1]);
+              load_bf16_pair(ur + c + j, b[0], b[1]);
+              load_grad_pair(e + j, f, s);
+              store_bf16_pair<Stream>(dur + c + j, d[0] * s[0], d[1] * s[1]);
+              store_bf16_pair<Stream>(dgr + c + j, round_block_arith<T>(d[0] * b[0]) * f[0],
+                                      round_block_arith<T>(d[1] * b[1]) * f[1]);
+            },
+            [&](int64_t c, auto j) {
+              fetch_ahead(dyr + c + j);
+              fetch_ahead(gr + c + j);
+              fetch_ahead(ur + c + j);
+              const VF d = load<A>(dyr + c + j);
+              VF f, s;
+              load_grad_block(e + j, f, s);
+              store_out<Stream>(dur + c + j, d * s);
+              store_out<Stream>(dgr + c + j, round_block_arith<T>(d * load<A>(ur + c + j)) * f);
+            },
+            [&](int64_t c, int64_t j) {
+              const A d = to_acc<A>(dyr[c + j]);
+              dur[c + j] = from_acc<T>(d * e[j].x_sigmoid);
+              dgr[c + j] = from_acc<T>(round_to<T>(d * to_acc<A>(ur[c + j])) * e[j].dsilu);
+            });
+      }
+      return;
     }
-    return;
   }
   for (int64_t r = r0; r < r1; ++r) {
     const T* dyr = dy + r * dys;
@@ -263,6 +291,18 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
       store_bf16_pair<Stream>(dur + p, u_grad[0], u_grad[1]);
       store_bf16_pair<Stream>(dgr + p, g_grad[0], g_grad[1]);
     });
+    if constexpr (kGatherable<T>) {
+      for (; gt && i < nb; i += kBlock) {
+        fetch_ahead(dyr + i);
+        fetch_ahead(gr + i);
+        fetch_ahead(ur + i);
+        const VF d = load<A>(dyr + i);
+        const auto idx = gate_indices(gr + i);
+        store_out<Stream>(dur + i, d * gather_grad(idx, &gt->grad[0].x_sigmoid));
+        store_out<Stream>(dgr + i,
+                          round_block_arith<T>(d * load<A>(ur + i)) * gather_grad(idx, &gt->grad[0].dsilu));
+      }
+    }
     for (; i < nb; i += kBlock) {
       fetch_ahead(dyr + i);
       fetch_ahead(gr + i);

@@ -110,6 +110,18 @@ void set_level(Level level) {
   active().store(&kLevels[static_cast<int>(level)], std::memory_order_release);
 }
 
+namespace {
+std::atomic<SiluGathers> silu_gathers_setting{SiluGathers::kAuto};
+}  // namespace
+
+void set_silu_gathers(SiluGathers how) {
+  silu_gathers_setting.store(how, std::memory_order_relaxed);
+}
+
+SiluGathers silu_gathers() {
+  return silu_gathers_setting.load(std::memory_order_relaxed);
+}
+
 const char* level_name(Level level) {
   return kLevels[static_cast<int>(level)].name;
 }

@@ -27,6 +27,14 @@ struct RotaryRows {
   void* y = nullptr;
 };
 
+/// How the AVX-512 levels' bf16 SiLU rows get the functions of their gates (kernels/cpu/silu_tables.h): by
+/// vector gathers from the bf16 tables, or as without them (computed; `avx512`'s silu_and_mul rows by scalar
+/// lookups). kAuto, the default, gathers where a timing at the first such row finds a gather faster than
+/// computing SiLU on this CPU. The results have the same bits either way; tests force each.
+enum class SiluGathers : uint8_t { kAuto, kAlways, kNever };
+void set_silu_gathers(SiluGathers how);
+SiluGathers silu_gathers();
+
 // Every entry point of entry_points.h, declared in each level's namespace (kernmap::cpu::<level>).
 #define KERNMAP_CPU_DECLARE(name, ret, params) ret name params;
 namespace baseline {

@@ -27,6 +27,7 @@ void rms_norm_backward_keeps_weight_nans(const Case& c);
 void rms_norm_backward_same_bits_for_either_weight_dtype(const Case& c);
 /// Sizes n.
 void bf16_silu_is_its_float_math_rounded(const Case& c);
+void silu_gathers_give_the_same_bits(const Case& c);
 void empty_inputs(const Case& c);
 
 // grouped_checks.cpp: grouped_mm forward and backward.

@@ -245,6 +245,11 @@ const std::vector<Row>& kernel_table() {
        .layouts = {""},
        .check = bf16_silu_is_its_float_math_rounded,
        .dtypes = kNoDtype},
+      {.op = "silu_gathers_same_bits",
+       .shapes = grid({{"n", {16, 1031, 4096}}}),
+       .layouts = {"contiguous", "strided"},
+       .check = silu_gathers_give_the_same_bits,
+       .dtypes = kNoDtype},
       {.op = "empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = empty_inputs},
       // ---- the residual add fused with RMSNorm: against its reference, then properties ----
       {.op = "add_rms_norm",
