@@ -21,10 +21,11 @@ namespace KERNMAP_CPU_LEVEL {
 // at first use, by this level's own block math, so every result has the bits it had when computed: eager's
 // roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 640 KiB a level, built only
 // by a process that runs a bf16 SiLU row; a row touches the entries of the gates it holds (a layer's
-// activations span a few exponents: a few KiB). `avx512` (AVX-512 without its bf16 instructions) reads them
-// for silu_and_mul's rows (kTabledSilu below: SiLU's own compute there), which ran faster so
-// (docs/performance.md, "bf16 SiLU tables"); the bf16 levels (`avx512bf16`, `amx`) compute, rounding in one
-// instruction.
+// activations span a few exponents: a few KiB). The AVX-512 levels read them by gathers where that is
+// measured faster than computing (gather_rows below); otherwise `avx512` (AVX-512 without its bf16
+// instructions) reads them for silu_and_mul's rows by the scalar lookups (kTabledSilu below: SiLU's own
+// compute there), which ran faster so (docs/performance.md, "bf16 SiLU tables"), and the bf16 levels
+// (`avx512bf16`, `amx`) compute, rounding in one instruction.
 #if !defined(__AVX512BF16__)
 inline constexpr bool kSiluTables = true;
 #else
@@ -179,19 +180,21 @@ inline void copy_pair(T* p, const T* from) {
 #if defined(__AVX512F__)
 // ---- gathers (the AVX-512 levels) ----------------------------------------------------------------------
 // With AVX-512 a block's 16 entries can come by one vpgatherdd, indexed by the gates' bits, with no buffer:
-// on Intel's Sapphire Rapids cores that gathers a bf16 silu in 0.14-0.15 ns an element against 0.22 to
-// compute it (one thread, in cache; the true division and the exp bound the computing) and 0.38 by the scalar
-// lookups below AVX-512. Other AVX-512 cores differ: Zen 4 computes as fast as its scalar lookups, and on
-// Intel cores with the Gather Data Sampling mitigation a gather costs several times more. So the rows gather
-// where gathering is measured faster than computing on the CPU at hand (gather_rows), and the tables keep
-// every result's bits: each entry was computed by this level's own block math.
+// on an Intel Xeon with AMX that gathers a bf16 silu in 0.14-0.15 ns an element against 0.22 to compute it
+// (one thread, in cache; the true division and the exp bound the computing) and 0.38 by the scalar lookups
+// below AVX-512 (docs/performance.md, "bf16 SiLU rows by gathers"). Other AVX-512 cores differ: Zen 4
+// computes as fast as its scalar lookups, and on Intel cores with the Gather Data Sampling mitigation a
+// gather costs several times more. So the rows gather where gathering is measured faster than computing on
+// the CPU at hand (gather_rows), and the tables keep every result's bits: each entry was computed by this
+// level's own block math.
 
 /// The gates of a block of 16 bf16 at g, as 32-bit indices into a table.
 inline __m512i gate_indices(const BFloat16* g) {
   return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
 }
 /// The bf16 SiLU of 16 gates, packed as store_native writes them (the table's 16-bit entries, read as 32-bit
-/// words from 2 idx bytes in; the word's high half, the next entry, dropped by the narrowing).
+/// words from 2 idx bytes in; the word's high half, the next entry, dropped by the narrowing; the last
+/// entry's word ends in SiluTables::grad, inside the struct).
 inline __m256i gather_silu_packed(__m512i idx, const uint16_t* table) {
   return _mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, table, 2));
 }
