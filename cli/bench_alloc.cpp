@@ -4,12 +4,23 @@
 // time; a median moved by tens of percent between processes that ran the same cases in another order). The
 // benchmark times kernels, not the allocator, so it keeps what its cases free, as training frameworks'
 // caching allocators do.
+//
+// Blocks of 16 MiB and more are also mapped on 2 MiB boundaries with the transparent-huge-page hint (unless
+// asked not to): the floors' copy probes run on huge pages, and so do kernmap's own large outputs
+// (ops/memory.h), while the cases' inputs came from glibc's heap in 4 KiB pages, which on xeon-amx-vm
+// (2026-12-07, THP `madvise`) cost the memory-bound rows up to a third of their time, by how scattered the
+// heap's pages were (docs/development.md, "Benchmarks").
 #include "cli/bench_alloc.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <malloc.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <new>
 
 #include <algorithm>
 #include <map>
@@ -21,6 +32,31 @@ namespace kernmap::cli {
 namespace {
 
 constexpr size_t kKeepFrom = size_t(1) << 20;  // smaller blocks stay glibc's (its heap reuses them)
+constexpr size_t kHugeFrom = size_t(16)
+                             << 20;  // mapped on huge pages from this size, as ops/memory.h's blocks
+constexpr size_t kHugePage = size_t(2) << 20;
+
+// A block mapped by itself, its data on a 2 MiB boundary with the huge-page hint; unmapped when freed.
+struct Mapping {
+  void* map;
+  size_t bytes;
+};
+void unmap(void* ctx) {
+  auto* m = static_cast<Mapping*>(ctx);
+  munmap(m->map, m->bytes);
+  delete m;
+}
+c10::DataPtr map_huge(size_t n) {
+  const size_t bytes = n + kHugePage;
+  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (map == MAP_FAILED) throw std::bad_alloc();
+  const auto start = reinterpret_cast<uintptr_t>(map);
+  void* data = reinterpret_cast<void*>((start + kHugePage - 1) & ~(uintptr_t(kHugePage) - 1));
+#if defined(MADV_HUGEPAGE)
+  (void)madvise(data, n, MADV_HUGEPAGE);  // a hint: without THP, ordinary pages
+#endif
+  return {data, new Mapping{map, bytes}, &unmap, c10::Device(c10::DeviceType::CPU)};
+}
 
 // Forwards to the allocator it wraps; a freed block of kKeepFrom bytes or more is kept (up to a quarter of
 // physical memory) and handed out again for a request of the same size. Each block is its own context (data
@@ -44,7 +80,7 @@ class KeepingAllocator final : public c10::Allocator {
         kept_bytes_ -= n;
       }
     }
-    if (!inner) inner = base_->allocate(n);
+    if (!inner) inner = huge_ && n >= kHugeFrom ? map_huge(n) : base_->allocate(n);
     void* data = inner.get();
     if (data == nullptr) return inner;  // zero bytes
     const c10::Device device = inner.device();
@@ -82,6 +118,9 @@ class KeepingAllocator final : public c10::Allocator {
     return *keeping;
   }
 
+  void set_huge_pages(bool on) { huge_ = on; }
+  bool huge_pages() const { return huge_; }
+
  private:
   struct Block {
     c10::DataPtr inner;
@@ -104,6 +143,7 @@ class KeepingAllocator final : public c10::Allocator {
   }
 
   c10::Allocator* base_;
+  bool huge_ = false;
   size_t cap_ = 0, kept_bytes_ = 0;
   std::mutex mu_;
   std::unordered_map<void*, Block> live_;
@@ -112,11 +152,14 @@ class KeepingAllocator final : public c10::Allocator {
 
 }  // namespace
 
-void keep_freed_memory() {
+bool keep_freed_memory(bool huge_pages) {
   // Smaller blocks: glibc keeps freed memory instead of trimming it (and mmaps only past 1 GiB).
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  KeepingAllocator::instance();
+  const char* env = std::getenv("KERNMAP_HUGE_PAGES");  // =0 drops the hint, as for kernmap's own blocks
+  const bool huge = huge_pages && !(env && env[0] == '0' && env[1] == '\0');
+  KeepingAllocator::instance().set_huge_pages(huge);
+  return huge;
 }
 
 int64_t release_freed_memory() {

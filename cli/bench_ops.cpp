@@ -53,7 +53,8 @@ struct Options {
   std::string levels;  // "all" or a comma list; empty: the level in use only
   int warmup = 3;
   int reps = 11;
-  bool warm = false;  // --warm-caches: no empty_caches before each run
+  bool warm = false;          // --warm-caches: no empty_caches before each run
+  bool system_pages = false;  // --system-pages: the cases' tensors on glibc's pages, not huge pages
 };
 
 // The vector width a kernmap level and a torch (ATen) capability have in common, to compare the two: 0 for
@@ -511,7 +512,7 @@ std::string bytes_text(int64_t b) {
 }
 
 int bench_command(const Options& o) {
-  keep_freed_memory();
+  const bool tensors_huge = keep_freed_memory(!o.system_pages);
   auto regex_of = [](const char* flag, const std::string& text) {
     try {
       return std::regex(text.empty() ? ".*" : text);
@@ -747,6 +748,7 @@ int bench_command(const Options& o) {
            {"copy_streamed_gbps", start_copy.streamed},
            {"read_gbps", start_copy.read},
            {"copy_huge_pages", probe.huge_pages},
+           {"tensors_huge_pages", tensors_huge},
            {"dense_gflops", dense},
            {"level_dense_gflops", level_dense},
            {"threads", at::get_num_threads()},
@@ -782,9 +784,13 @@ int bench_command(const Options& o) {
   for (const auto& [level, limit] : level_limits)
     if (limit.gflops > 0)
       std::printf(", at %s %.1f (fp32, OpenBLAS %s)", level.c_str(), limit.gflops, limit.core.c_str());
-  std::printf("; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians%s\n\n",
-              at::get_num_threads(), o.warmup, o.reps,
-              o.warm ? ", warm caches" : ", every run from memory (caches emptied before it)");
+  std::printf(
+      "; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians%s; the cases' "
+      "tensors of 16 MiB and more %s\n\n",
+      at::get_num_threads(), o.warmup, o.reps,
+      o.warm ? ", warm caches" : ", every run from memory (caches emptied before it)",
+      tensors_huge ? "on huge pages"
+                   : "on the system allocator's pages (--system-pages or KERNMAP_HUGE_PAGES=0)");
   for (const auto& [level, limit] : level_limits)
     if (limit.gflops <= 0)
       std::printf(
@@ -832,6 +838,11 @@ Command add_bench_command(CLI::App& parent) {
   ops->add_flag("--warm-caches", o->warm,
                 "do not empty the caches before each run (by default every run starts from memory, as the "
                 "floors assume)");
+  ops->add_flag(
+      "--system-pages", o->system_pages,
+      "leave the cases' tensors on the pages the system's allocator gives (4 KiB where transparent "
+      "huge pages are `madvise`) instead of huge pages, where the copy probes' buffers and kernmap's "
+      "large outputs are");
   add_integer(*ops, "--reps", o->reps, 1, 100000,
               "timed runs of each implementation, whose median is reported");
   CLI::App* limit = bench->add_subcommand(
