@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include <algorithm>
@@ -32,8 +33,8 @@ namespace kernmap::cli {
 namespace {
 
 constexpr size_t kKeepFrom = size_t(1) << 20;  // smaller blocks stay glibc's (its heap reuses them)
-constexpr size_t kHugeFrom = size_t(16)
-                             << 20;  // mapped on huge pages from this size, as ops/memory.h's blocks
+// Blocks from this size are mapped on huge pages, as ops/memory.h's large blocks are.
+constexpr size_t kHugeFrom = size_t(16) << 20;
 constexpr size_t kHugePage = size_t(2) << 20;
 
 // A block mapped by itself, its data on a 2 MiB boundary with the huge-page hint; unmapped when freed.
@@ -119,7 +120,6 @@ class KeepingAllocator final : public c10::Allocator {
   }
 
   void set_huge_pages(bool on) { huge_ = on; }
-  bool huge_pages() const { return huge_; }
 
  private:
   struct Block {
@@ -157,7 +157,7 @@ bool keep_freed_memory(bool huge_pages) {
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   const char* env = std::getenv("KERNMAP_HUGE_PAGES");  // =0 drops the hint, as for kernmap's own blocks
-  const bool huge = huge_pages && !(env && env[0] == '0' && env[1] == '\0');
+  const bool huge = huge_pages && !(env && std::strcmp(env, "0") == 0);
   KeepingAllocator::instance().set_huge_pages(huge);
   return huge;
 }
