@@ -44,7 +44,7 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
     return;
   }
   const int64_t nb = n - n % kBlock;
-  const SiluTables* gt = gather_rows<T>() ? &silu_tables() : nullptr;  // the tables, read by gathers
+  const SiluTables* gt = gathered_tables<T>();  // null: no gathers
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
     T* yr = y + r * n;
@@ -118,7 +118,7 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
     return;
   }
   const int64_t nb = n - n % kBlock;
-  const SiluTables* gt = gather_rows<T>() ? &silu_tables() : nullptr;  // the tables, read by gathers
+  const SiluTables* gt = gathered_tables<T>();  // null: no gathers
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * xs;
     const T* dyr = dy + r * dys;
@@ -152,7 +152,7 @@ template <bool Stream, class T>
 void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int64_t r0, int64_t r1,
                        int64_t n) {
   using A = Acc<T>;
-  const SiluTables* gt = gather_rows<T>() ? &silu_tables() : nullptr;  // the tables, read by gathers
+  const SiluTables* gt = gathered_tables<T>();  // null: no gathers
   if constexpr (kTabled<T>) {
     if (!gt) {
       const SiluTables& t = silu_tables();
@@ -229,7 +229,7 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
     u_grad = d * round_block_arith<T>(a * sg);
     g_grad = round_block_arith<T>(d * b) * (sg * (1 + a * (1 - sg)));
   };
-  const SiluTables* gt = gather_rows<T>() ? &silu_tables() : nullptr;  // the tables, read by gathers
+  const SiluTables* gt = gathered_tables<T>();  // null: no gathers
   if constexpr (kTabled<T>) {
     if (!gt) {
       const SiluTables& t = silu_tables();

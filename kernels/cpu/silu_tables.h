@@ -22,7 +22,7 @@ namespace KERNMAP_CPU_LEVEL {
 // roundings and edge values, and a NaN gate still gives a NaN (stored as 0xffff). 640 KiB a level, built only
 // by a process that runs a bf16 SiLU row; a row touches the entries of the gates it holds (a layer's
 // activations span a few exponents: a few KiB). The AVX-512 levels read them by gathers where that is
-// measured faster than computing (gather_rows below); otherwise `avx512` (AVX-512 without its bf16
+// measured faster than computing (gathered_tables below); otherwise `avx512` (AVX-512 without its bf16
 // instructions) reads them for silu_and_mul's rows by the scalar lookups (kTabledSilu below: SiLU's own
 // compute there), which ran faster so (docs/performance.md, "bf16 SiLU tables"), and the bf16 levels
 // (`avx512bf16`, `amx`) compute, rounding in one instruction.
@@ -185,7 +185,7 @@ inline void copy_pair(T* p, const T* from) {
 // below AVX-512 (docs/performance.md, "bf16 SiLU rows by gathers"). Other AVX-512 cores differ: Zen 4
 // computes as fast as its scalar lookups, and on Intel cores with the Gather Data Sampling mitigation a
 // gather costs several times more. So the rows gather where gathering is measured faster than computing on
-// the CPU at hand (gather_rows), and the tables keep every result's bits: each entry was computed by this
+// the CPU at hand (gathered_tables), and the tables keep every result's bits: each entry was computed by this
 // level's own block math.
 
 /// The gates of a block of 16 bf16 at g, as 32-bit indices into a table.
@@ -255,23 +255,18 @@ inline constexpr bool kGatherable =
     false;
 #endif
 
-/// Whether T's rows at this level read the tables by gathers (kernmap::cpu::silu_gathers; bf16 at the AVX-512
-/// levels alone).
+/// The tables T's rows read by gathers at this level (kernmap::cpu::silu_gathers), or null where they do not:
+/// always below AVX-512 and for other types than bf16.
 template <class T>
-inline bool gather_rows() {
+inline const SiluTables* gathered_tables() {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    switch (silu_gathers()) {
-      case SiluGathers::kAlways:
-        return true;
-      case SiluGathers::kNever:
-        return false;
-      case SiluGathers::kAuto:
-        return gathers_beat_computing();
-    }
+  if constexpr (kGatherable<T>) {
+    const SiluGathers how = silu_gathers();
+    if (how == SiluGathers::kAlways || (how == SiluGathers::kAuto && gathers_beat_computing()))
+      return &silu_tables();
   }
 #endif
-  return false;
+  return nullptr;
 }
 
 }  // namespace KERNMAP_CPU_LEVEL
