@@ -57,7 +57,8 @@ void experts_same_bits_at_any_thread_count(const Case& c);
 /// Sizes D; layouts kRotaryLayouts.
 void rotary_has_the_eager_bits_and_float64_bound(const Case& c);
 void rotary_gives_cos_and_sin_gradients(const Case& c);
-/// Sizes D; layouts "aligned", "offset1" (outputs one element into a fresh block).
+/// Sizes D; layouts "aligned", "offset1" (outputs one element into a fresh block), "shared_cos" (cos and sin
+/// shared by consecutive rows).
 void rotary_streaming_stores_write_the_same_bits(const Case& c);
 void rotary_empty_inputs(const Case& c);
 /// The inputs of the add_rms_norm rows (sizes rows, H; layouts kRowLayouts): x in the case's layout, the

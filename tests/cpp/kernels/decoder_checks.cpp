@@ -167,10 +167,13 @@ void rotary_gives_cos_and_sin_gradients(const Case& c) {
 }
 
 // Streaming stores (taken when the outputs exceed the last-level cache) write the same bits as normal ones,
-// forward and backward, on aligned rows and on a misaligned output, each row in two calls.
+// forward and backward, on aligned rows and on a misaligned output, each row in two calls. "shared_cos":
+// rows of three positions by three heads, each position's cos and sin shared by its heads (widened once for
+// them at 16 bits), the second call starting inside a position.
 void rotary_streaming_stores_write_the_same_bits(const Case& c) {
   const auto& kern = kernmap::cpu::kernel_table();
   const int64_t D = c["D"], offset = c.layout == "offset1" ? 1 : 0, rows = 9;
+  const bool shared = c.layout == "shared_cos";
   const at::Tensor x = randn({rows, D}, c.dtype), cos = randn({rows, D}, c.dtype),
                    sin = randn({rows, D}, c.dtype);
   for (bool backward : {false, true}) {
@@ -184,6 +187,13 @@ void rotary_streaming_stores_write_the_same_bits(const Case& c) {
       r.D = D;
       r.sizes[0] = rows;
       r.x_strides[0] = r.cos_strides[0] = r.sin_strides[0] = r.y_strides[0] = D;
+      if (shared) {
+        r.ndim = 2;
+        r.sizes[0] = r.sizes[1] = 3;
+        r.x_strides[0] = r.y_strides[0] = r.cos_strides[0] = r.sin_strides[0] = 3 * D;
+        r.x_strides[1] = r.y_strides[1] = D;
+        r.cos_strides[1] = r.sin_strides[1] = 0;
+      }
       r.x = x.const_data_ptr();
       r.cos = cos.const_data_ptr();
       r.sin = sin.const_data_ptr();
@@ -195,6 +205,19 @@ void rotary_streaming_stores_write_the_same_bits(const Case& c) {
     // And every element is the kernel's (an unwritten one would still hold the poison).
     EXPECT_FALSE(out[0].isnan().any().item<bool>());
     EXPECT_FALSE(out[1].isnan().any().item<bool>());
+    if (shared) {  // and the eager math's values, each position's cos and sin (rows 0, 3, 6) for its heads
+      const at::Tensor xr = x.view({3, 3, D}), kr = randn({3, 1, D}, c.dtype);
+      const at::Tensor cr = cos.view({3, 3, D}).select(1, 0), sr = sin.view({3, 3, D}).select(1, 0);
+      at::Tensor expected;
+      if (backward) {  // x as the incoming gradient
+        at::Tensor xd = randn({3, 3, D}, c.dtype).requires_grad_(true);
+        torch::autograd::backward({std::get<0>(kernmap::reference::apply_rotary(xd, kr, cr, sr, 1))}, {xr});
+        expected = xd.grad();
+      } else {
+        expected = std::get<0>(kernmap::reference::apply_rotary(xr, kr, cr, sr, 1));
+      }
+      EXPECT_TRUE(close(out[0].view({3, 3, D}), expected, kEqualValues)) << "against the eager math";
+    }
   }
 }
 

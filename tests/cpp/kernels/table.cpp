@@ -291,7 +291,7 @@ const std::vector<Row>& kernel_table() {
        .check = add_rms_norm_empty_inputs},
       // ---- the rotary embedding: bit for bit against the eager math, within a float64 bound ----
       {.op = "rotary",
-       .shapes = grid({{"D", {2, 6, 64, 128, 130}}}),
+       .shapes = grid({{"D", {2, 6, 64, 128, 130, 514}}}),
        .layouts = kRotaryLayouts,
        .check = rotary_has_the_eager_bits_and_float64_bound},
       {.op = "rotary_cos_sin_gradients",
@@ -299,8 +299,8 @@ const std::vector<Row>& kernel_table() {
        .layouts = {"attention_views"},
        .check = rotary_gives_cos_and_sin_gradients},
       {.op = "rotary_streaming_stores",
-       .shapes = grid({{"D", {64, 130}}}),
-       .layouts = {"aligned", "offset1"},
+       .shapes = grid({{"D", {64, 130, 514}}}),
+       .layouts = {"aligned", "offset1", "shared_cos"},
        .check = rotary_streaming_stores_write_the_same_bits},
       {.op = "rotary_empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = rotary_empty_inputs},
       // ---- grouped_mm: against its reference (uneven groups, empty ones, edge blocks in every dimension;
