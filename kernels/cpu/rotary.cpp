@@ -20,8 +20,11 @@ namespace {
 // of h: ca = cos[:h], cb = cos[h:], and sa, sb = sin[:h], sin[h:] (forward) or -sin[h:], -sin[:h] (backward).
 // They come either from cos and sin themselves (C = X, Negate for the backward) or, for 16-bit X, from
 // their values widened once for the rows that share them (C = float, negated already: Widened below).
+// Inlined into the run's loop: a head's row is short (128 elements), and GCC left it a call, which cost
+// about a tenth of the bf16 row in cache (docs/performance.md, "bf16 rotary in even and odd lanes").
 template <bool Negate, bool Stream, class X, class C>
-void rotary_row(const X* x, const C* ca, const C* cb, const C* sa, const C* sb, X* y, int64_t h) {
+__attribute__((always_inline)) inline void rotary_row(const X* x, const C* ca, const C* cb, const C* sa,
+                                                      const C* sb, X* y, int64_t h) {
   using A = Acc<X>;
   const int64_t hb = h - h % kBlock;
   // One block pair's math (the two output halves), for the paired and the single blocks alike.
@@ -43,22 +46,63 @@ void rotary_row(const X* x, const C* ca, const C* cb, const C* sa, const C* sb, 
       load_bf16_pair(p, lo, hi);
     }
   };
-  // bf16 below AVX-512: two blocks a step, every input and output through the paired load and store (vec.h).
-  const int64_t i0 = paired_bf16_blocks<X>(hb, [&](auto i) {
-    VF x1[2], x2[2], ca2[2], cb2[2], sa2[2], sb2[2];
+  // bf16 at the AVX-512 BF16 levels: 32 elements of each half a step in even and odd lanes (vec.h,
+  // load_bf16_eo), the four products rounded two blocks a conversion; cos and sin in the same lanes
+  // (Widened's floats are stored so). The sums take the rounded products in their q lanes.
+  int64_t iq = 0;
+#if defined(__AVX512BF16__)
+  // 32 elements of a cos or sin half at i in even and odd lanes: so from bf16, or Widened's two floats.
+  const auto load_eo = [](const auto* p, VF& e, VF& o) {
+    if constexpr (std::is_same_v<C, float>) {
+      e = load<float>(p);
+      o = load<float>(p + kBlock);
+    } else {
+      load_bf16_eo(p, e, o);
+    }
+  };
+  iq = eo_bf16_blocks<X>(hb, [&](auto i) {
     fetch_ahead(x + i);
     fetch_ahead(x + h + i);
-    load_bf16_pair(x + i, x1[0], x1[1]);
-    load_bf16_pair(x + h + i, x2[0], x2[1]);
-    load_pair(ca + i, ca2[0], ca2[1]);
-    load_pair(cb + i, cb2[0], cb2[1]);
-    load_pair(sa + i, sa2[0], sa2[1]);
-    load_pair(sb + i, sb2[0], sb2[1]);
-    VF lo[2], hi[2];
-    for (int j = 0; j < 2; ++j) rotate(x1[j], x2[j], ca2[j], cb2[j], sa2[j], sb2[j], lo[j], hi[j]);
-    store_bf16_pair<Stream>(y + i, lo[0], lo[1]);
-    store_bf16_pair<Stream>(y + h + i, hi[0], hi[1]);
+    VF x1[2], x2[2], c1[2], c2[2], s1[2], s2[2];
+    load_bf16_eo(x + i, x1[0], x1[1]);
+    load_bf16_eo(x + h + i, x2[0], x2[1]);
+    load_eo(ca + i, c1[0], c1[1]);
+    load_eo(cb + i, c2[0], c2[1]);
+    load_eo(sa + i, s1[0], s1[1]);
+    load_eo(sb + i, s2[0], s2[1]);
+    if constexpr (Negate) {
+      for (int j = 0; j < 2; ++j) {
+        s1[j] = -s1[j];
+        s2[j] = -s2[j];
+      }
+    }
+    VF p1[2], p2[2], p3[2], p4[2];
+    round_bf16_eo(x1[0] * c1[0], x1[1] * c1[1], p1[0], p1[1]);
+    round_bf16_eo(x2[0] * s1[0], x2[1] * s1[1], p2[0], p2[1]);
+    round_bf16_eo(x2[0] * c2[0], x2[1] * c2[1], p3[0], p3[1]);
+    round_bf16_eo(x1[0] * s2[0], x1[1] * s2[1], p4[0], p4[1]);
+    store_bf16_q<Stream>(y + i, p1[0] - p2[0], p1[1] - p2[1]);
+    store_bf16_q<Stream>(y + h + i, p3[0] + p4[0], p3[1] + p4[1]);
   });
+#endif
+  // bf16 below AVX-512: two blocks a step, every input and output through the paired load and store (vec.h);
+  // at most one of the two loops runs.
+  const int64_t i0 = iq + paired_bf16_blocks<X>(hb, [&](auto i) {
+                       VF x1[2], x2[2], ca2[2], cb2[2], sa2[2], sb2[2];
+                       fetch_ahead(x + i);
+                       fetch_ahead(x + h + i);
+                       load_bf16_pair(x + i, x1[0], x1[1]);
+                       load_bf16_pair(x + h + i, x2[0], x2[1]);
+                       load_pair(ca + i, ca2[0], ca2[1]);
+                       load_pair(cb + i, cb2[0], cb2[1]);
+                       load_pair(sa + i, sa2[0], sa2[1]);
+                       load_pair(sb + i, sb2[0], sb2[1]);
+                       VF lo[2], hi[2];
+                       for (int j = 0; j < 2; ++j)
+                         rotate(x1[j], x2[j], ca2[j], cb2[j], sa2[j], sb2[j], lo[j], hi[j]);
+                       store_bf16_pair<Stream>(y + i, lo[0], lo[1]);
+                       store_bf16_pair<Stream>(y + h + i, hi[0], hi[1]);
+                     });
   for (int64_t i = i0; i < hb; i += kBlock) {
     fetch_ahead(x + i);
     fetch_ahead(x + h + i);
@@ -81,8 +125,9 @@ void rotary_row(const X* x, const C* ca, const C* cb, const C* sa, const C* sb, 
 }
 
 // cos and sin of a position widened to float once for the heads that share it (16-bit X): four halves of h
-// (ca, cb, sa, sb as above, negated for the backward), each in the lanes rotary_row reads it in (pairs of
-// load_bf16_pair blocks, then single blocks, then the tail). Each head's row then loads them as floats
+// (ca, cb, sa, sb as above, negated for the backward), each in the lanes rotary_row reads it in (32-element
+// steps in even and odd lanes at the AVX-512 BF16 levels or pairs of load_bf16_pair blocks below AVX-512,
+// then single blocks, then the tail). Each head's row then loads them as floats
 // instead of widening four bf16 halves a row again: at the AVX-512 levels a widening is a shuffle on the
 // port that also rounds, which bound the bf16 rows (docs/performance.md, "Rotary: cos and sin widened once
 // per position"). The values are those the row would widen itself, so the bits are the same.
@@ -102,12 +147,23 @@ struct Widened {
  private:
   static void widen(const X* p, float* out, int64_t h, bool negate) {
     const int64_t hb = h - h % kBlock;
-    const int64_t i0 = paired_bf16_blocks<X>(hb, [&](auto i) {
-      VF lo, hi;
-      load_bf16_pair(p + i, lo, hi);
-      store(out + i, negate ? -lo : lo);
-      store(out + i + kBlock, negate ? -hi : hi);
+    // The AVX-512 BF16 levels' even and odd lanes, the pairs' lanes below AVX-512 (at most one of the two
+    // runs), then single blocks in order.
+    int64_t iq = 0;
+#if defined(__AVX512BF16__)
+    iq = eo_bf16_blocks<X>(hb, [&](auto i) {
+      VF e, o;
+      load_bf16_eo(p + i, e, o);
+      store(out + i, negate ? -e : e);
+      store(out + i + kBlock, negate ? -o : o);
     });
+#endif
+    const int64_t i0 = iq + paired_bf16_blocks<X>(hb, [&](auto i) {
+                         VF lo, hi;
+                         load_bf16_pair(p + i, lo, hi);
+                         store(out + i, negate ? -lo : lo);
+                         store(out + i + kBlock, negate ? -hi : hi);
+                       });
     for (int64_t i = i0; i < hb; i += kBlock) {
       const VF v = load<float>(p + i);
       store(out + i, negate ? -v : v);

@@ -346,6 +346,45 @@ inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
 #endif
 #endif
 
+#if defined(__AVX512BF16__)
+// 32 bf16 elements a step at the AVX-512 BF16 levels, for elementwise rows bound by port 5 (the one port that
+// shuffles on Intel cores, where vcvtneps2bf16 also takes two micro-ops of it; docs/performance.md, "bf16
+// rotary in even and odd lanes"): widened and rounded without the shuffle a block costs otherwise.
+// load_bf16_eo widens one 64-byte load by a shift and a mask (e: the even elements 0, 2, ..., 30; o: the odd
+// ones); round_bf16_eo rounds two blocks by one vcvtne2ps2bf16 (the conversion of pack16, 32 lanes at once)
+// and widens them back by a shift and a mask, which moves each lane (the "q" lanes below: a holds elements
+// 0, 4, ..., 28, 1, 5, ..., 29 of a row loaded by load_bf16_eo, b 2, 6, ..., 30, 3, 7, ..., 31);
+// store_bf16_q rounds blocks in the q lanes and stores the 32 elements in order (one shuffle). A kernel
+// keeps every operand of one operation in the same lanes; the values are those of the single blocks.
+inline void load_bf16_eo(const BFloat16* p, VF& e, VF& o) {
+  const __m512i u = _mm512_loadu_si512(p);
+  e = (VF)_mm512_slli_epi32(u, 16);
+  o = (VF)_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+/// e and o rounded to bf16 (round_block's values), in the lanes described above (a: from e's lanes 0, 2,
+/// ..., 14 and o's 0, 2, ..., 14; b: the odd lanes of each).
+inline void round_bf16_eo(VF e, VF o, VF& a, VF& b) {
+  const __m512i c = (__m512i)_mm512_cvtne2ps_pbh(o, e);  // words 0-15: e's lanes, 16-31: o's
+  a = (VF)_mm512_slli_epi32(c, 16);
+  b = (VF)_mm512_and_si512(c, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+/// Rounds a and b (q lanes of a row loaded by load_bf16_eo) and stores the 32 elements in order: memory
+/// element m is word 8 (m % 4) + m / 4 of the conversion. Streamed as two 32-byte halves (p aligned as
+/// can_stream checks for bf16 blocks).
+template <bool Stream>
+inline void store_bf16_q(BFloat16* p, VF a, VF b) {
+  const __m512i order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4, 27, 19,
+                                         11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
+  const __m512i r = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  if constexpr (Stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(r));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_extracti64x4_epi64(r, 1));
+  } else {
+    _mm512_storeu_si512(p, r);
+  }
+}
+#endif
+
 /// The paired blocks of a bf16 row below AVX-512 (load_bf16_pair, store_bf16_pair): calls pair(i) for i = 0,
 /// 2 kBlock, ... while two blocks fit below nb and returns where the single blocks resume; at the AVX-512
 /// levels and for other types it calls nothing and returns 0. pair takes its index as `auto`, so its body
@@ -361,6 +400,22 @@ inline int64_t paired_bf16_blocks(int64_t nb, Pair&& pair) {
 #endif
   return 0;
 }
+
+#if defined(__AVX512BF16__)
+/// The 32-element steps of a bf16 row at the AVX-512 BF16 levels (load_bf16_eo, round_bf16_eo,
+/// store_bf16_q): calls quad(i) for i = 0, 32, ... while 32 elements fit below nb and returns where the
+/// single blocks resume; for other types it calls nothing and returns 0 (quad's body, taking its index as
+/// `auto`, is compiled only where it runs).
+template <class T, class Quad>
+inline int64_t eo_bf16_blocks(int64_t nb, Quad&& quad) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    int64_t i = 0;
+    for (; i + 2 * kBlock <= nb; i += 2 * kBlock) quad(i);
+    return i;
+  }
+  return 0;
+}
+#endif
 
 /// Asks for the cache line holding p now, to be read soon (a hint: it never faults, and costs one load slot).
 /// For the next row of a two-pass row kernel, fetched during the current row's compute-bound pass: the

@@ -60,6 +60,8 @@ void rotary_gives_cos_and_sin_gradients(const Case& c);
 /// Sizes D; layouts "aligned", "offset1" (outputs one element into a fresh block), "shared_cos" (cos and sin
 /// shared by consecutive rows).
 void rotary_streaming_stores_write_the_same_bits(const Case& c);
+/// Sizes D; layouts kRotaryLayouts.
+void rotary_non_finite_inputs(const Case& c);
 void rotary_empty_inputs(const Case& c);
 /// The inputs of the add_rms_norm rows (sizes rows, H; layouts kRowLayouts): x in the case's layout, the
 /// residual in the next one (next_row_layout), the weight in `weight_dtype`.

@@ -221,6 +221,43 @@ void rotary_streaming_stores_write_the_same_bits(const Case& c) {
   }
 }
 
+// Infinities, NaNs, values near the float maximum (whose products overflow) and signed zeros in q, k and
+// the incoming gradients, in every part of a row (the 32-element steps, single blocks, the tail): the eager
+// math's values, NaN exactly where it has NaN, forward and backward.
+void rotary_non_finite_inputs(const Case& c) {
+  const RotaryInputs in = rotary_inputs(c.layout, c["D"], c.dtype);
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  const double specials[] = {inf, -inf, nan, 3e38, -3e38, 0.0, -0.0};
+  const auto salt = [&](const at::Tensor& t) {
+    at::Tensor u = t.detach().clone().reshape(-1);  // contiguous copy, then the input's layout again
+    for (int64_t i = 0; i < u.numel(); i += 5) u[i] = specials[(i / 5) % 7];
+    return at::empty_like(t).copy_(u.view(t.sizes()));
+  };
+  const at::Tensor q = salt(in.q), k = salt(in.k);
+  const auto same_values = [](const at::Tensor& got, const at::Tensor& want) {
+    if (!got.isnan().equal(want.isnan()))
+      return ::testing::AssertionFailure() << "NaN where the eager math has none, or the reverse";
+    const at::Tensor keep = ~want.isnan();
+    return close(got.masked_select(keep), want.masked_select(keep), kEqualValues);
+  };
+  auto [qe, ke] = kernmap::apply_rotary(q, k, in.cos, in.sin, in.dim);
+  auto [qr, kr] = kernmap::reference::apply_rotary(q, k, in.cos, in.sin, in.dim);
+  EXPECT_TRUE(same_values(qe, qr)) << "q";
+  EXPECT_TRUE(same_values(ke, kr)) << "k";
+  const at::Tensor gq = salt(qe), gk = salt(ke);
+  at::Tensor grads[2][2];
+  for (int ref = 0; ref < 2; ++ref) {
+    at::Tensor q2 = in.q.detach().requires_grad_(true), k2 = in.k.detach().requires_grad_(true);
+    auto [qe2, ke2] = ref ? kernmap::reference::apply_rotary(q2, k2, in.cos, in.sin, in.dim)
+                          : kernmap::apply_rotary(q2, k2, in.cos, in.sin, in.dim);
+    torch::autograd::backward({qe2, ke2}, {gq, gk});
+    grads[ref][0] = q2.grad();
+    grads[ref][1] = k2.grad();
+  }
+  EXPECT_TRUE(same_values(grads[0][0], grads[1][0])) << "the gradient of q";
+  EXPECT_TRUE(same_values(grads[0][1], grads[1][1])) << "the gradient of k";
+}
+
 void rotary_empty_inputs(const Case& c) {
   const at::Tensor cos = randn({1, 0, 8}, c.dtype), sin = randn({1, 0, 8}, c.dtype);
   at::Tensor q = at::empty({2, 3, 0, 8}, c.dtype).requires_grad_(true);

@@ -302,6 +302,10 @@ const std::vector<Row>& kernel_table() {
        .shapes = grid({{"D", {64, 130, 514}}}),
        .layouts = {"aligned", "offset1", "shared_cos"},
        .check = rotary_streaming_stores_write_the_same_bits},
+      {.op = "rotary_non_finite",
+       .shapes = grid({{"D", {64, 130}}}),
+       .layouts = {"attention_views", "contiguous"},
+       .check = rotary_non_finite_inputs},
       {.op = "rotary_empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = rotary_empty_inputs},
       // ---- grouped_mm: against its reference (uneven groups, empty ones, edge blocks in every dimension;
       // the
