@@ -130,6 +130,58 @@ inline VF accumulate_pairs(int64_t Hb, Pair&& pair, Step&& step) {
 template <class X>
 inline constexpr bool kPairedBf16 = false;
 #endif
+// The plain forward's bf16 rows at the AVX-512 BF16 levels (x and y bf16, no residual add) in 32-element
+// steps (vec.h, load_bf16_eo): the first pass's sums in the even and odd lanes, the second pass's normalized
+// values rounded two blocks a conversion into the q lanes, times the weight parked in those lanes (q_order),
+// stored in order by store_bf16_q; about a third of the port-5 micro-ops of the single blocks
+// (docs/performance.md, "bf16 RMSNorm forward in even and odd lanes"). The same values, so the same bits.
+#if defined(__AVX512BF16__)
+template <bool Add, class X, class Y>
+inline constexpr bool kEoForward = !Add && std::is_same_v<X, BFloat16> && std::is_same_v<Y, BFloat16>;
+// Two accumulators of even and odd lanes (elements 2l and 2l + 1 of 32) as accumulate_blocks' two blocks
+// (elements 0-15 and 16-31): each lane's sum moves whole, so the sums and their bits are those of the
+// single blocks.
+inline void eo_to_blocks(VF e, VF o, VF& a, VF& b) {
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  a = _mm512_permutex2var_ps(e, first, o);
+  b = _mm512_permutex2var_ps(e, second, o);
+}
+// accumulate_blocks with each group's blocks taken 32 elements at a time in even and odd lanes: pair(i, e, o)
+// adds elements i to i + 31 into two accumulators, turned into accumulate_blocks' lanes after the groups; the
+// blocks after the last group go to step(i, acc) as there.
+template <class Pair, class Step>
+inline VF accumulate_eo(int64_t Hb, Pair&& pair, Step&& step) {
+  VF p[4] = {}, acc[4];
+  int64_t i = 0;
+  for (; i + 4 * kBlock <= Hb; i += 4 * kBlock) {
+    pair(i, p[0], p[1]);
+    pair(i + 2 * kBlock, p[2], p[3]);
+  }
+  eo_to_blocks(p[0], p[1], acc[0], acc[1]);
+  eo_to_blocks(p[2], p[3], acc[2], acc[3]);
+  for (; i < Hb; i += kBlock) step(i, acc[0]);
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+// The weight in the q lanes of each 32-element step below Hb (store_bf16_q: elements 0, 4, ..., 28, 1, 5,
+// ..., 29, then 2, 6, ..., 30, 3, 7, ..., 31), in the calling thread's buffer.
+inline const float* q_order(const float* w, int64_t Hb) {
+  thread_local std::vector<float> buf;
+  const int64_t n = Hb - Hb % (2 * kBlock);
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  for (int64_t i = 0; i < n; i += 2 * kBlock)
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int64_t m = k < 8 ? 4 * k : 4 * (k - 8) + 1;
+      buf[i + k] = w[i + m];
+      buf[i + kBlock + k] = w[i + m + 2];
+    }
+  return buf.data();
+}
+#else
+template <bool Add, class X, class Y>
+inline constexpr bool kEoForward = false;
+#endif
+
 // The backward's first pass in pairs (accumulate_pairs): bf16 x with dy of its type.
 template <class X, class Y>
 inline constexpr bool kPairedFirstPass = kPairedBf16<X> ? std::is_same_v<Y, X> : false;
@@ -157,10 +209,21 @@ inline void load_pair(const float* p, Pair& lo, Pair& hi) {
 // the same values as the single blocks. The fused residual's float row (bf16 x and y) is read in pairs too,
 // parked by its first pass in the pairs' lane order.
 template <bool Stream, class X, class S, class N, class Y>
-void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* wp, Y* y, Acc<X> rs,
-                   int64_t H) {
+void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* wp, const Acc<X>* wq, Y* y,
+                   Acc<X> rs, int64_t H) {
   const int64_t Hb = H - H % kBlock;
   int64_t i = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (kEoForward<false, X, Y> && std::is_same_v<S, Source<false, X>>) {
+    i = eo_bf16_blocks<Y>(Hb, [&](auto p) {
+      next.prefetch_block(p);
+      VF e, o, a, b;
+      load_bf16_eo(src.x + p, e, o);
+      round_bf16_eo(e * rs, o * rs, a, b);
+      store_bf16_q<Stream>(y + p, load<float>(wq + p) * a, load<float>(wq + p + kBlock) * b);
+    });
+  }
+#endif
   if constexpr (kPairedSource<X, S, Y>) {
     if (wp) {
       i = paired_bf16_blocks<Y>(Hb, [&](auto p) {
@@ -216,6 +279,10 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
   // the pairs' lane order, as the weight is (pair_order, null where nothing runs in pairs).
   constexpr bool kPairedAdd = Add && kPairedFirstPass<X, Y>;
   const A* wp = pair_order<X, Y>(w, H);
+  const A* wq = nullptr;  // the weight in the q lanes (kEoForward)
+#if defined(__AVX512BF16__)
+  if constexpr (kEoForward<Add, X, Y>) wq = q_order(w, Hb);
+#endif
   for (int64_t r = r0; r < r1; ++r) {
     const Source<Add, X> src{x + r * xs, Add ? res + r * res_s : nullptr};
     const int64_t rn = r + 1 < r1 ? r + 1 : r;  // the next row of the range (the last row again at its end)
@@ -256,6 +323,18 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
             a1 = madd(h[1], h[1], a1);
           },
           step);
+    } else if constexpr (kEoForward<Add, X, Y>) {
+#if defined(__AVX512BF16__)
+      acc = accumulate_eo(
+          Hb,
+          [&](auto p, VF& a0, VF& a1) {
+            VF e, o;
+            load_bf16_eo(src.x + p, e, o);
+            a0 = madd(e, e, a0);
+            a1 = madd(o, o, a1);
+          },
+          step);
+#endif
     } else {
       acc = accumulate_blocks<V>(Hb, step);
     }
@@ -271,9 +350,9 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
     const A rs = A(1) / std::sqrt(ss / static_cast<A>(H) + static_cast<A>(eps));
     rstd[r] = rs;
     if constexpr (Add) {
-      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, next, w, wp, yr, rs, H);
+      normalize_row<Stream, X>(Source<false, A>{hrow, nullptr}, next, w, wp, wq, yr, rs, H);
     } else {
-      normalize_row<Stream, X>(src, next, w, wp, yr, rs, H);
+      normalize_row<Stream, X>(src, next, w, wp, wq, yr, rs, H);
     }
   }
 }

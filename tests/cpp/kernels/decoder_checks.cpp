@@ -296,6 +296,18 @@ void add_rms_norm_has_the_bits_of_the_add_then_rms_norm(const Case& c) {
       auto [y, s] = kernmap::add_rms_norm(x, r, w, 1e-6);
       EXPECT_TRUE(same_bits(s, eager_sum)) << "the sum";
       EXPECT_TRUE(same_bits(y, eager_normed)) << "the normed output";
+      // And rstd: its sum of squares in the same order (a sum taken in another order changes rstd's last bit
+      // far more often than the normed output's).
+      if (!grad) {
+        using Fwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                   const at::Tensor&, double);
+        using PlainFwd = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double);
+        static const auto fused = kernmap::ops::op_handle<Fwd>("kernmap::add_rms_norm_forward");
+        static const auto plain = kernmap::ops::op_handle<PlainFwd>("kernmap::rms_norm_forward");
+        const at::Tensor fused_rstd = std::get<2>(fused.call(x0, r0, w0, 1e-6));
+        const at::Tensor plain_rstd = std::get<1>(plain.call(eager_sum, w0, 1e-6));
+        EXPECT_TRUE(same_bits(fused_rstd, plain_rstd)) << "rstd";
+      }
       auto [y64, s64] =
           kernmap::reference::add_rms_norm(x0.to(at::kDouble), r0.to(at::kDouble), w0.to(at::kDouble), 1e-6);
       const Tolerance tol = tolerance(c.dtype);
