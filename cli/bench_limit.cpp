@@ -1,4 +1,5 @@
-// A lower level's dense fp32 GEMM limit from OpenBLAS's kernels for that level's core kinds (bench_limit.h).
+// A lower level's dense fp32 GEMM limit from OpenBLAS's kernels for that level's core kinds, and its bf16
+// one from oneDNN held to the level's instructions (bench_limit.h).
 #include "cli/bench_limit.h"
 
 #include <dlfcn.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -204,6 +206,64 @@ LevelLimit measure_level_limit(const std::string& level, int threads) {
   if (out.cores.empty()) out.error = "no OpenBLAS core kind is known for level '" + level + "'";
   if (out.gflops <= 0 && out.error.empty()) out.error = out.cores.front().error;
   return out;
+}
+
+std::string onednn_isa_of(const std::string& level) {
+  return level == "avx512bf16" ? "AVX512_CORE_BF16" : "";
+}
+
+std::string onednn_implementation(const std::string& verbose, const std::string& isa) {
+  std::string want = isa;
+  std::transform(want.begin(), want.end(), want.begin(), [](unsigned char c) { return std::tolower(c); });
+  std::string impl;
+  size_t start = 0;
+  while (start < verbose.size()) {
+    size_t end = verbose.find('\n', start);
+    if (end == std::string::npos) end = verbose.size();
+    const std::string line = verbose.substr(start, end - start);
+    start = end + 1;
+    if (line.rfind("onednn_verbose", 0) != 0 || line.find(",exec,") == std::string::npos) continue;
+    // onednn_verbose,v1,primitive,exec,cpu,matmul,<implementation>,...
+    std::vector<std::string> fields;
+    for (size_t b = 0, e; b <= line.size(); b = e + 1) {
+      e = line.find(',', b);
+      if (e == std::string::npos) e = line.size();
+      fields.push_back(line.substr(b, e - b));
+    }
+    const auto kind = std::find(fields.begin(), fields.end(), "matmul");
+    const std::string ran = kind != fields.end() && kind + 1 != fields.end() ? *(kind + 1) : line;
+    if (ran.find(want) == std::string::npos || ran.find("amx") != std::string::npos)
+      throw std::runtime_error("oneDNN ran '" + ran + "', not a " + want + " implementation");
+    impl = ran;
+  }
+  if (impl.empty())
+    throw std::runtime_error("torch's bf16 product ran no oneDNN matmul (no oneDNN verbose line)");
+  return impl;
+}
+
+void measure_level_bf16(LevelLimit& l, int threads) {
+  const std::string isa = onednn_isa_of(l.level);
+  if (isa.empty()) return;
+  std::string so, se;
+  const int rc = run_child(
+      {"kernmap", "bench", "limit", "--onednn-isa", isa, "--threads", std::to_string(threads)}, so, se);
+  double g = 0;
+  try {
+    g = nlohmann::json::parse(last_line(so)).at("gflops").get<double>();
+  } catch (const std::exception&) {
+    g = 0;
+  }
+  if (rc != 0 || !(g > 0)) {
+    l.bf16_error = last_line(se).empty() ? "the measuring process exited with status " + std::to_string(rc)
+                                         : last_line(se);
+    return;
+  }
+  try {
+    l.bf16_source = "oneDNN " + onednn_implementation(so, isa);
+    l.bf16_gflops = g;
+  } catch (const std::runtime_error& e) {
+    l.bf16_error = e.what();
+  }
 }
 
 }  // namespace kernmap::cli

@@ -38,7 +38,28 @@ struct LevelLimit {
   std::string library;
   std::string error;
   std::vector<CoreRate> cores;
+  /// The level's dense bf16 rate where the level computes in bf16 but the machine has more (avx512bf16 on a
+  /// CPU with AMX tiles): torch's bf16 product with oneDNN held to the level's instructions
+  /// (onednn_isa_of). 0: not such a level, or not measured (bf16_error says why).
+  double bf16_gflops = 0;
+  std::string bf16_source;  ///< "oneDNN brg_matmul:avx512_core_bf16": the implementation oneDNN ran
+  std::string bf16_error;
 };
+
+/// oneDNN's name for the instructions of a level that computes in bf16 below the machine's best
+/// (ONEDNN_MAX_CPU_ISA): "AVX512_CORE_BF16" for avx512bf16; empty for the other levels.
+std::string onednn_isa_of(const std::string& level);
+
+/// The dense bf16 rate of a level with oneDNN held to `isa` (onednn_isa_of), in a child process (`bench limit
+/// --onednn-isa`, which sets ONEDNN_MAX_CPU_ISA before oneDNN starts and reports the implementations oneDNN
+/// ran): fills l.bf16_gflops and bf16_source, or bf16_error where oneDNN ran anything but that ISA's kernels
+/// (a torch whose bf16 product is not oneDNN's, a oneDNN that ignores the cap). Never throws.
+void measure_level_bf16(LevelLimit& l, int threads);
+
+/// Checks a child's oneDNN verbose lines (`onednn_verbose,...,exec,...`): every product ran an
+/// implementation of `isa` (lower case in oneDNN's names, "avx512_core_bf16") and none on AMX tiles. Returns
+/// the implementation ("brg_matmul:avx512_core_bf16"), or throws std::runtime_error saying what ran.
+std::string onednn_implementation(const std::string& verbose, const std::string& isa);
 
 /// OpenBLAS's core kinds whose kernels use only the instructions of `level` (the pre-AVX cores for
 /// baseline, the AVX2 ones for avx2, ...).

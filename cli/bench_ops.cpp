@@ -454,14 +454,18 @@ Json limit_json(const LevelLimit& l) {
           {"source", l.gflops > 0 ? Json("OpenBLAS " + l.core) : Json(nullptr)},
           {"library", l.library.empty() ? Json(nullptr) : Json(l.library)},
           {"error", l.error.empty() ? Json(nullptr) : Json(l.error)},
-          {"cores", cores}};
+          {"cores", cores},
+          {"bfloat16", l.bf16_gflops > 0 ? Json(l.bf16_gflops) : Json(nullptr)},
+          {"bfloat16_source", l.bf16_source.empty() ? Json(nullptr) : Json(l.bf16_source)},
+          {"bfloat16_error", l.bf16_error.empty() ? Json(nullptr) : Json(l.bf16_error)}};
 }
 
 struct LimitOptions {
   bool json = false;
-  std::string level;  // empty: every level the CPU runs
-  std::string core;   // the child's: one OpenBLAS core kind, measured in this process
-  int threads = 0;    // 0: torch's
+  std::string level;       // empty: every level the CPU runs
+  std::string core;        // the child's: one OpenBLAS core kind, measured in this process
+  std::string onednn_isa;  // the child's: torch's bf16 product with oneDNN held to this ISA
+  int threads = 0;         // 0: torch's
 };
 
 // `kernmap bench limit`: each level's dense fp32 GEMM rate as a CPU of that level would reach it; with
@@ -476,10 +480,27 @@ int limit_command(const LimitOptions& o) {
                 Json({{"core", r.core}, {"gflops", r.gflops}, {"library", r.library}}).dump().c_str());
     return 0;
   }
+  if (!o.onednn_isa.empty()) {
+    // oneDNN reads both once, at its first primitive: nothing in this process has run one yet. The verbose
+    // lines (stdout) name the implementation each product ran, which the parent checks
+    // (onednn_implementation).
+    if (setenv("ONEDNN_MAX_CPU_ISA", o.onednn_isa.c_str(), 1) != 0 || setenv("ONEDNN_VERBOSE", "1", 1) != 0)
+      throw std::runtime_error("cannot set ONEDNN_MAX_CPU_ISA");
+    at::set_num_threads(threads);
+    Options opts;
+    const double g = dense_gflops("bfloat16", opts);
+    std::fflush(stdout);
+    std::printf("%s\n", Json({{"isa", o.onednn_isa}, {"gflops", g}}).dump().c_str());
+    return 0;
+  }
   const std::vector<std::string> levels =
       o.level.empty() ? supported_cpu_levels() : std::vector<std::string>{o.level};
   std::vector<LevelLimit> limits;
-  for (const std::string& level : levels) limits.push_back(measure_level_limit(level, threads));
+  const std::string top = supported_cpu_levels().back();
+  for (const std::string& level : levels) {
+    limits.push_back(measure_level_limit(level, threads));
+    if (level != top) measure_level_bf16(limits.back(), threads);
+  }
   const bool all_measured =
       std::all_of(limits.begin(), limits.end(), [](const LevelLimit& l) { return l.gflops > 0; });
   if (o.json) {
@@ -488,8 +509,10 @@ int limit_command(const LimitOptions& o) {
     print_json(doc);
     return all_measured ? 0 : 1;
   }
-  std::printf("dense fp32 GEMM of a CPU of each level (OpenBLAS's kernels for that level), %d threads:\n",
-              threads);
+  std::printf(
+      "dense fp32 GEMM of a CPU of each level (OpenBLAS's kernels for that level; bf16: oneDNN held to the "
+      "level's instructions, where the machine has more), %d threads:\n",
+      threads);
   for (const LevelLimit& l : limits) {
     if (l.gflops > 0)
       std::printf("%s: %.1f GFLOP/s (OpenBLAS %s)", l.level.c_str(), l.gflops, l.core.c_str());
@@ -498,7 +521,12 @@ int limit_command(const LimitOptions& o) {
     std::string each;
     for (const CoreRate& c : l.cores)
       each += (each.empty() ? "" : ", ") + c.core + " " + (c.gflops > 0 ? fixed(c.gflops, 1) : "failed");
-    std::printf("; %s\n", each.c_str());
+    std::printf("; %s", each.c_str());
+    if (l.bf16_gflops > 0)
+      std::printf("; bf16 %.1f GFLOP/s (%s)", l.bf16_gflops, l.bf16_source.c_str());
+    else if (!l.bf16_error.empty())
+      std::printf("; bf16 not measured (%s)", l.bf16_error.c_str());
+    std::printf("\n");
   }
   if (!limits.empty() && !limits.front().library.empty())
     std::printf("library: %s\n", limits.front().library.c_str());
@@ -597,8 +625,10 @@ int bench_command(const Options& o) {
         if (c.flops > 0 && !peak.count(d)) peak[d] = dense_gflops(d, o, &dense_probes[d]);
       if (c.flops > 0 && c.level_bound_flops)
         for (const std::string& level : levels)
-          if (level != cpu_top && !level_limits.count(level))
+          if (level != cpu_top && !level_limits.count(level)) {
             level_limits[level] = measure_level_limit(level, at::get_num_threads());
+            measure_level_bf16(level_limits[level], at::get_num_threads());
+          }
       Options co = o;
       if (c.max_reps > 0) {
         co.reps = std::min(o.reps, c.max_reps);
@@ -671,12 +701,16 @@ int bench_command(const Options& o) {
       if (!peak.count(d) || (level_bound && !level_computes_in(r.level, d))) continue;
       double rate = peak.at(d);
       std::string from = "gemm " + short_dtype(d);
-      // A lower level's fp32 products: the rate of a CPU of that level. Its bf16 products (avx512bf16 on a
-      // CPU with AMX) stay held to the machine's bf16 rate, the tiles', which that level does not reach.
+      // A lower level's products: the rate of a CPU of that level, fp32 (OpenBLAS's kernels for it) and,
+      // where the level computes in bf16 below the machine's best (avx512bf16 on a CPU with AMX tiles), bf16
+      // by oneDNN held to the level's instructions; held to the machine's rates where not measured.
       const auto limit = level_limits.find(r.level);
-      if (level_bound && d == "float32" && limit != level_limits.end() && limit->second.gflops > 0) {
-        rate = limit->second.gflops;
-        from = "gemm fp32 at " + r.level;
+      if (level_bound && limit != level_limits.end()) {
+        const double at_level = d == "float32" ? limit->second.gflops : limit->second.bf16_gflops;
+        if (at_level > 0 && (d == "float32" || d == "bfloat16")) {
+          rate = at_level;
+          from = "gemm " + short_dtype(d) + " at " + r.level;
+        }
       }
       const double ms = r.c.flops / (rate * 1e6);
       if (source.empty() || ms < compute) {
@@ -781,9 +815,12 @@ int bench_command(const Options& o) {
       copy, start_copy.plain, start_copy.streamed, probe.huge_pages ? "huge pages" : "4 KiB pages", case_min,
       case_max, start_copy.read);
   for (const auto& [dt, g] : peak) std::printf(", dense %s GEMM %.1f GFLOP/s", dt.c_str(), g);
-  for (const auto& [level, limit] : level_limits)
+  for (const auto& [level, limit] : level_limits) {
     if (limit.gflops > 0)
       std::printf(", at %s %.1f (fp32, OpenBLAS %s)", level.c_str(), limit.gflops, limit.core.c_str());
+    if (limit.bf16_gflops > 0)
+      std::printf(" and %.1f (bf16, %s)", limit.bf16_gflops, limit.bf16_source.c_str());
+  }
   std::printf(
       "; %d threads; %d warm-up + %d timed reps (MoE cases: at most 1 + 5, fwd+bwd 3), medians%s; the cases' "
       "tensors of 16 MiB and more %s\n\n",
@@ -791,11 +828,17 @@ int bench_command(const Options& o) {
       o.warm ? ", warm caches" : ", every run from memory (caches emptied before it)",
       tensors_huge ? "on huge pages"
                    : "on the system allocator's pages (--system-pages or KERNMAP_HUGE_PAGES=0)");
-  for (const auto& [level, limit] : level_limits)
+  for (const auto& [level, limit] : level_limits) {
     if (limit.gflops <= 0)
       std::printf(
           "note: no dense rate for a CPU of level %s (%s): its product rows are held to the machine's\n",
           level.c_str(), limit.error.c_str());
+    if (!limit.bf16_error.empty())
+      std::printf(
+          "note: no dense bf16 rate for a CPU of level %s (%s): its bf16 product rows are held to the "
+          "machine's\n",
+          level.c_str(), limit.bf16_error.c_str());
+  }
   Table t{{"op", "pass", "dtype", "shape", "impl", "level", "median ms", "min..max ms", "GB/s", "% copy",
            "GFLOP/s", "floor ms", "floor by", "x floor", "speedup", "peak MB"},
           {}};
@@ -847,8 +890,9 @@ Command add_bench_command(CLI::App& parent) {
               "timed runs of each implementation, whose median is reported");
   CLI::App* limit = bench->add_subcommand(
       "limit",
-      "the dense fp32 GEMM rate of a CPU of each level this one runs (OpenBLAS's kernels for that level): "
-      "what `bench ops` holds a lower level's product rows to");
+      "the dense fp32 GEMM rate of a CPU of each level this one runs (OpenBLAS's kernels for that level), "
+      "and bf16 for avx512bf16 below AMX (oneDNN held to its instructions): what `bench ops` holds a lower "
+      "level's product rows to");
   limit->group("Commands")->fallthrough();
   auto lo = std::make_shared<LimitOptions>();
   limit->add_flag("--json", lo->json, "one JSON document instead of the lines");
@@ -857,6 +901,10 @@ Command add_bench_command(CLI::App& parent) {
   add_integer(*limit, "--threads", lo->threads, 1, 4096, "threads of the product (default: torch's)");
   add_text(*limit, "--openblas-core", lo->core, "CORE", "an OpenBLAS core kind",
            "measure one OpenBLAS core kind in this process (what --level runs once per kind)")
+      ->group("");
+  add_choice(*limit, "--onednn-isa", lo->onednn_isa, {"AVX512_CORE_BF16"},
+             "measure torch's bf16 product with oneDNN held to this instruction set, in this process (what "
+             "--level runs for avx512bf16 below AMX)")
       ->group("");
   auto check = [ops, limit, o, lo] {
     if (limit->parsed()) {

@@ -186,6 +186,10 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
     below = doc["machine"]["level_dense_gflops"]
     assert set(below) == {wanted[0]}  # the levels run below the CPU's own
     assert below[wanted[0]]["float32"] > 0, below
+    if wanted == ["avx512bf16", "amx"]:
+        assert below["avx512bf16"]["bfloat16"] > 0 and "avx512_core_bf16" in below["avx512bf16"]["bfloat16_source"]
+    else:
+        assert below[wanted[0]]["bfloat16"] is None and below[wanted[0]]["bfloat16_error"] is None
     rows = doc["results"]
     assert sorted(r["level"] or "" for r in rows) == sorted(["", *wanted])
     # fp32's dense rate measured again among each product case's repetitions (one figure per case), and the
@@ -197,7 +201,11 @@ def test_bench_floor_of_a_product_is_the_fastest_dense_rate_its_level_can_use(ru
         if r["level"] == wanted[0]:
             rates = {f"gemm fp32 at {wanted[0]}": below[wanted[0]]["float32"]}
         if r["level"] in ("avx512bf16", "amx", None):  # bf16 products, or the dense row (not kernmap's)
-            rates["gemm bf16"] = dense["bfloat16"]
+            if r["level"] == wanted[0] and below[wanted[0]]["bfloat16"]:
+                # avx512bf16 below AMX tiles: bf16 by oneDNN held to the level's instructions.
+                rates[f"gemm bf16 at {wanted[0]}"] = below[wanted[0]]["bfloat16"]
+            else:
+                rates["gemm bf16"] = dense["bfloat16"]
         source, rate = max(rates.items(), key=lambda kv: kv[1])
         memory_source, memory = byte_floor(r)
         compute = r["flops"] / (rate * 1e6)
@@ -233,6 +241,39 @@ def test_bench_limit_measures_one_core_kind_and_refuses_an_unknown_one(run_cli):
     bad = run_cli("bench", "limit", "--openblas-core", "Pentium9")
     assert bad.returncode == 1
     assert "not the requested 'Pentium9'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_limit_measures_bf16_with_onednn_held_to_avx512bf16(run_cli):
+    # The child measure_level_bf16 runs for avx512bf16 below AMX tiles: oneDNN's verbose lines name the
+    # implementation of every product (avx512_core_bf16, none on the tiles), then one JSON line.
+    if "avx512bf16" not in supported_levels(run_cli):
+        pytest.skip("this CPU has no AVX512-BF16")
+    out = run_cli("bench", "limit", "--onednn-isa", "AVX512_CORE_BF16", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    line = json.loads(lines[-1])
+    assert line["isa"] == "AVX512_CORE_BF16" and line["gflops"] > 0
+    ran = [ln for ln in lines if ln.startswith("onednn_verbose") and ",exec," in ln]
+    assert ran and all("matmul" in ln and "avx512_core_bf16" in ln and "amx" not in ln for ln in ran), ran
+    bad = run_cli("bench", "limit", "--onednn-isa", "AVX9000")
+    assert bad.returncode == 2 and "--onednn-isa" in bad.stderr and "AVX9000" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_limit_gives_avx512bf16_a_bf16_rate_below_amx_only(run_cli):
+    levels = supported_levels(run_cli)
+    if "avx512bf16" not in levels:
+        pytest.skip("this CPU has no AVX512-BF16")
+    out = run_cli("bench", "limit", "--level", "avx512bf16", "--threads", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    level = json.loads(out.stdout)["levels"]["avx512bf16"]
+    if "amx" in levels:  # below the machine's tiles: measured, and named
+        assert level["bfloat16"] > 0 and level["bfloat16_source"].startswith("oneDNN ")
+        assert "avx512_core_bf16" in level["bfloat16_source"] and level["bfloat16_error"] is None
+        text = run_cli("bench", "limit", "--level", "avx512bf16", "--threads", "1").stdout
+        assert "; bf16 " in text and "avx512_core_bf16" in text, text
+    else:  # the machine's own level: its products are the machine's
+        assert level["bfloat16"] is None and level["bfloat16_error"] is None
 
 
 @pytest.mark.parametrize("library, why", [("/nonexistent/libopenblas.so.0", "cannot load OpenBLAS from"),
