@@ -207,7 +207,8 @@ inline void load_pair(const float* p, Pair& lo, Pair& hi) {
 // the weight, a float of any value, comes after it. bf16 in and out below AVX-512 (wp: the weight in the
 // pairs' lane order, pair_order): two blocks at once, one load and one packing for both (paired_bf16_blocks);
 // the same values as the single blocks. The fused residual's float row (bf16 x and y) is read in pairs too,
-// parked by its first pass in the pairs' lane order.
+// parked by its first pass in the pairs' lane order. The plain forward's bf16 rows at the AVX-512 BF16 levels
+// go 32 elements a step (kEoForward; wq: the weight in the q lanes).
 template <bool Stream, class X, class S, class N, class Y>
 void normalize_row(const S& src, const N& next, const Acc<X>* w, const Acc<X>* wp, const Acc<X>* wq, Y* y,
                    Acc<X> rs, int64_t H) {

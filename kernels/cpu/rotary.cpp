@@ -3,6 +3,8 @@
 // read once and each row of y written once; the rows of cos and sin repeat across heads and stay in the
 // cache (16-bit ones widened once for the heads of a position that follow one another). Compiled with
 // -ffp-contract=off: the products and sums are rounded one by one, as eager computes them.
+#include <algorithm>
+
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
@@ -87,22 +89,22 @@ __attribute__((always_inline)) inline void rotary_row(const X* x, const C* ca, c
 #endif
   // bf16 below AVX-512: two blocks a step, every input and output through the paired load and store (vec.h);
   // at most one of the two loops runs.
-  const int64_t i0 = iq + paired_bf16_blocks<X>(hb, [&](auto i) {
-                       VF x1[2], x2[2], ca2[2], cb2[2], sa2[2], sb2[2];
-                       fetch_ahead(x + i);
-                       fetch_ahead(x + h + i);
-                       load_bf16_pair(x + i, x1[0], x1[1]);
-                       load_bf16_pair(x + h + i, x2[0], x2[1]);
-                       load_pair(ca + i, ca2[0], ca2[1]);
-                       load_pair(cb + i, cb2[0], cb2[1]);
-                       load_pair(sa + i, sa2[0], sa2[1]);
-                       load_pair(sb + i, sb2[0], sb2[1]);
-                       VF lo[2], hi[2];
-                       for (int j = 0; j < 2; ++j)
-                         rotate(x1[j], x2[j], ca2[j], cb2[j], sa2[j], sb2[j], lo[j], hi[j]);
-                       store_bf16_pair<Stream>(y + i, lo[0], lo[1]);
-                       store_bf16_pair<Stream>(y + h + i, hi[0], hi[1]);
-                     });
+  const int64_t ip = paired_bf16_blocks<X>(hb, [&](auto i) {
+    VF x1[2], x2[2], ca2[2], cb2[2], sa2[2], sb2[2];
+    fetch_ahead(x + i);
+    fetch_ahead(x + h + i);
+    load_bf16_pair(x + i, x1[0], x1[1]);
+    load_bf16_pair(x + h + i, x2[0], x2[1]);
+    load_pair(ca + i, ca2[0], ca2[1]);
+    load_pair(cb + i, cb2[0], cb2[1]);
+    load_pair(sa + i, sa2[0], sa2[1]);
+    load_pair(sb + i, sb2[0], sb2[1]);
+    VF lo[2], hi[2];
+    for (int j = 0; j < 2; ++j) rotate(x1[j], x2[j], ca2[j], cb2[j], sa2[j], sb2[j], lo[j], hi[j]);
+    store_bf16_pair<Stream>(y + i, lo[0], lo[1]);
+    store_bf16_pair<Stream>(y + h + i, hi[0], hi[1]);
+  });
+  const int64_t i0 = std::max(iq, ip);
   for (int64_t i = i0; i < hb; i += kBlock) {
     fetch_ahead(x + i);
     fetch_ahead(x + h + i);
@@ -127,9 +129,9 @@ __attribute__((always_inline)) inline void rotary_row(const X* x, const C* ca, c
 // cos and sin of a position widened to float once for the heads that share it (16-bit X): four halves of h
 // (ca, cb, sa, sb as above, negated for the backward), each in the lanes rotary_row reads it in (32-element
 // steps in even and odd lanes at the AVX-512 BF16 levels or pairs of load_bf16_pair blocks below AVX-512,
-// then single blocks, then the tail). Each head's row then loads them as floats
-// instead of widening four bf16 halves a row again: at the AVX-512 levels a widening is a shuffle on the
-// port that also rounds, which bound the bf16 rows (docs/performance.md, "Rotary: cos and sin widened once
+// then single blocks, then the tail). Each head's row then loads them as floats instead of widening four bf16
+// halves a row again: at the AVX-512 levels a widening is a shuffle on the port that also rounds, which bound
+// the bf16 rows (docs/performance.md, "Rotary: cos and sin widened once
 // per position"). The values are those the row would widen itself, so the bits are the same.
 template <class X>
 struct Widened {
@@ -158,13 +160,13 @@ struct Widened {
       store(out + i + kBlock, negate ? -o : o);
     });
 #endif
-    const int64_t i0 = iq + paired_bf16_blocks<X>(hb, [&](auto i) {
-                         VF lo, hi;
-                         load_bf16_pair(p + i, lo, hi);
-                         store(out + i, negate ? -lo : lo);
-                         store(out + i + kBlock, negate ? -hi : hi);
-                       });
-    for (int64_t i = i0; i < hb; i += kBlock) {
+    const int64_t ip = paired_bf16_blocks<X>(hb, [&](auto i) {
+      VF lo, hi;
+      load_bf16_pair(p + i, lo, hi);
+      store(out + i, negate ? -lo : lo);
+      store(out + i + kBlock, negate ? -hi : hi);
+    });
+    for (int64_t i = std::max(iq, ip); i < hb; i += kBlock) {
       const VF v = load<float>(p + i);
       store(out + i, negate ? -v : v);
     }
