@@ -67,6 +67,27 @@ inline V accumulate_blocks(int64_t Hb, Step&& step) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
+// accumulate_blocks with each group's blocks taken two at a time in other lanes: pair(i, a0, a1) adds blocks
+// i and i + kBlock into two accumulators whose lanes hold, between them, the elements accumulate_blocks' two
+// would, each lane always the same element of its group; to_blocks(a0, a1, b0, b1) puts them in
+// accumulate_blocks' lanes after the groups (each lane's sum moves whole), and the blocks after the last
+// group go to step(i, acc) as there. The same sums, so the same bits. The pairs below AVX-512
+// (load_bf16_pair: swap_pair_lanes) and the even and odd lanes of the AVX-512 BF16 levels (load_bf16_eo:
+// eo_to_blocks).
+template <class Pair, class Step, class ToBlocks>
+inline VF accumulate_pairs(int64_t Hb, Pair&& pair, Step&& step, ToBlocks&& to_blocks) {
+  VF p[4] = {}, acc[4];
+  int64_t i = 0;
+  for (; i + 4 * kBlock <= Hb; i += 4 * kBlock) {
+    pair(i, p[0], p[1]);
+    pair(i + 2 * kBlock, p[2], p[3]);
+  }
+  to_blocks(p[0], p[1], acc[0], acc[1]);
+  to_blocks(p[2], p[3], acc[2], acc[3]);
+  for (; i < Hb; i += kBlock) step(i, acc[0]);
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
 // The paired bf16 blocks below AVX-512 (paired_bf16_blocks), for rows of float kept beside bf16 rows (the
 // forward's weight, the backward's g): block i (i below H - H % (2 kBlock)) stored where load_bf16_pair's
 // lane order puts it. At avx2 (elements 0-3 and 8-11 of each 16 in the first block, 4-7 and 12-15 in the
@@ -109,23 +130,6 @@ inline void swap_row_pair_lanes(float* row, int64_t n) {
   }
 }
 
-// accumulate_blocks with each group's blocks taken two at a time in the pairs' lane order (load_bf16_pair):
-// pair(i, lo, hi) adds blocks i and i + kBlock into two accumulators whose lanes hold the same elements, in
-// the same order, as accumulate_blocks' two (swapped back by swap_pair_lanes after the groups); the blocks
-// after the last group go to step(i, acc) as there. The same sums, so the same bits.
-template <class Pair, class Step>
-inline VF accumulate_pairs(int64_t Hb, Pair&& pair, Step&& step) {
-  VF p[4] = {}, acc[4];
-  int64_t i = 0;
-  for (; i + 4 * kBlock <= Hb; i += 4 * kBlock) {
-    pair(i, p[0], p[1]);
-    pair(i + 2 * kBlock, p[2], p[3]);
-  }
-  swap_pair_lanes(p[0], p[1], acc[0], acc[1]);
-  swap_pair_lanes(p[2], p[3], acc[2], acc[3]);
-  for (; i < Hb; i += kBlock) step(i, acc[0]);
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
 #else
 template <class X>
 inline constexpr bool kPairedBf16 = false;
@@ -146,22 +150,6 @@ inline void eo_to_blocks(VF e, VF o, VF& a, VF& b) {
   const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   a = _mm512_permutex2var_ps(e, first, o);
   b = _mm512_permutex2var_ps(e, second, o);
-}
-// accumulate_blocks with each group's blocks taken 32 elements at a time in even and odd lanes: pair(i, e, o)
-// adds elements i to i + 31 into two accumulators, turned into accumulate_blocks' lanes after the groups; the
-// blocks after the last group go to step(i, acc) as there.
-template <class Pair, class Step>
-inline VF accumulate_eo(int64_t Hb, Pair&& pair, Step&& step) {
-  VF p[4] = {}, acc[4];
-  int64_t i = 0;
-  for (; i + 4 * kBlock <= Hb; i += 4 * kBlock) {
-    pair(i, p[0], p[1]);
-    pair(i + 2 * kBlock, p[2], p[3]);
-  }
-  eo_to_blocks(p[0], p[1], acc[0], acc[1]);
-  eo_to_blocks(p[2], p[3], acc[2], acc[3]);
-  for (; i < Hb; i += kBlock) step(i, acc[0]);
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 // The weight in the q lanes of each 32-element step below Hb (store_bf16_q: elements 0, 4, ..., 28, 1, 5,
 // ..., 29, then 2, 6, ..., 30, 3, 7, ..., 31), in the calling thread's buffer.
@@ -323,10 +311,10 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
             a0 = madd(h[0], h[0], a0);
             a1 = madd(h[1], h[1], a1);
           },
-          step);
+          step, [](auto a, auto b, auto& u, auto& v) { swap_pair_lanes(a, b, u, v); });
     } else if constexpr (kEoForward<Add, X, Y>) {
 #if defined(__AVX512BF16__)
-      acc = accumulate_eo(
+      acc = accumulate_pairs(
           Hb,
           [&](auto p, VF& a0, VF& a1) {
             VF e, o;
@@ -334,7 +322,7 @@ void fwd_rows(const X* x, int64_t xs, const X* res, int64_t res_s, const Acc<X>*
             a0 = madd(e, e, a0);
             a1 = madd(o, o, a1);
           },
-          step);
+          step, eo_to_blocks);
 #endif
     } else {
       acc = accumulate_blocks<V>(Hb, step);
@@ -444,7 +432,7 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
               store(grow + p + k * kBlock, g[k]);
             }
           },
-          step);
+          step, [](auto a, auto b, auto& u, auto& v) { swap_pair_lanes(a, b, u, v); });
     } else {
       acc = accumulate_blocks<V>(Hb, step);
     }

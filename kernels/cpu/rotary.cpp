@@ -38,14 +38,14 @@ __attribute__((always_inline)) inline void rotary_row(const X* x, const C* ca, c
     lo = round_block_arith<X>(x1 * ca) - round_block_arith<X>(x2 * sa);
     hi = round_block_arith<X>(x2 * cb) + round_block_arith<X>(x1 * sb);
   };
-  // Two blocks of a cos or sin half at i, in the lanes of load_bf16_pair: loaded so from bf16, or as two
-  // floats widened in those lanes (Widened).
-  const auto load_pair = [](const auto* p, VF& lo, VF& hi) {
+  // Two blocks of a cos or sin half at p in the lanes `widen` gives a bf16 row in (load_bf16_eo,
+  // load_bf16_pair): widened so from bf16, or Widened's two floats, stored in those lanes.
+  const auto load_two = [](const auto* p, VF& a, VF& b, auto widen) {
     if constexpr (std::is_same_v<C, float>) {
-      lo = load<float>(p);
-      hi = load<float>(p + kBlock);
+      a = load<float>(p);
+      b = load<float>(p + kBlock);
     } else {
-      load_bf16_pair(p, lo, hi);
+      widen(p, a, b);
     }
   };
   // bf16 at the AVX-512 BF16 levels: 32 elements of each half a step in even and odd lanes (vec.h,
@@ -53,25 +53,17 @@ __attribute__((always_inline)) inline void rotary_row(const X* x, const C* ca, c
   // (Widened's floats are stored so). The sums take the rounded products in their q lanes.
   int64_t iq = 0;
 #if defined(__AVX512BF16__)
-  // 32 elements of a cos or sin half at i in even and odd lanes: so from bf16, or Widened's two floats.
-  const auto load_eo = [](const auto* p, VF& e, VF& o) {
-    if constexpr (std::is_same_v<C, float>) {
-      e = load<float>(p);
-      o = load<float>(p + kBlock);
-    } else {
-      load_bf16_eo(p, e, o);
-    }
-  };
+  const auto eo = [](const auto* p, VF& e, VF& o) { load_bf16_eo(p, e, o); };
   iq = eo_bf16_blocks<X>(hb, [&](auto i) {
     fetch_ahead(x + i);
     fetch_ahead(x + h + i);
     VF x1[2], x2[2], c1[2], c2[2], s1[2], s2[2];
     load_bf16_eo(x + i, x1[0], x1[1]);
     load_bf16_eo(x + h + i, x2[0], x2[1]);
-    load_eo(ca + i, c1[0], c1[1]);
-    load_eo(cb + i, c2[0], c2[1]);
-    load_eo(sa + i, s1[0], s1[1]);
-    load_eo(sb + i, s2[0], s2[1]);
+    load_two(ca + i, c1[0], c1[1], eo);
+    load_two(cb + i, c2[0], c2[1], eo);
+    load_two(sa + i, s1[0], s1[1], eo);
+    load_two(sb + i, s2[0], s2[1], eo);
     if constexpr (Negate) {
       for (int j = 0; j < 2; ++j) {
         s1[j] = -s1[j];
@@ -95,10 +87,11 @@ __attribute__((always_inline)) inline void rotary_row(const X* x, const C* ca, c
     fetch_ahead(x + h + i);
     load_bf16_pair(x + i, x1[0], x1[1]);
     load_bf16_pair(x + h + i, x2[0], x2[1]);
-    load_pair(ca + i, ca2[0], ca2[1]);
-    load_pair(cb + i, cb2[0], cb2[1]);
-    load_pair(sa + i, sa2[0], sa2[1]);
-    load_pair(sb + i, sb2[0], sb2[1]);
+    const auto pair = [](const auto* p, VF& lo, VF& hi) { load_bf16_pair(p, lo, hi); };
+    load_two(ca + i, ca2[0], ca2[1], pair);
+    load_two(cb + i, cb2[0], cb2[1], pair);
+    load_two(sa + i, sa2[0], sa2[1], pair);
+    load_two(sb + i, sb2[0], sb2[1], pair);
     VF lo[2], hi[2];
     for (int j = 0; j < 2; ++j) rotate(x1[j], x2[j], ca2[j], cb2[j], sa2[j], sb2[j], lo[j], hi[j]);
     store_bf16_pair<Stream>(y + i, lo[0], lo[1]);
