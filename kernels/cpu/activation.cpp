@@ -55,6 +55,15 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
       store_bf16_pair<Stream>(yr + p, silu_rounded_to<T>(v[0]), silu_rounded_to<T>(v[1]));
     });
     if constexpr (kGatherable<T>) {
+#if defined(__AVX512F__)
+      // 32 gates a step in even and odd lanes (no shuffle), then a block of 16.
+      for (; gt && i + 2 * kBlock <= nb; i += 2 * kBlock) {
+        fetch_ahead(xr + i);
+        __m512i even, odd;
+        gate_indices_eo(xr + i, even, odd);
+        store_packed_32<Stream>(yr + i, gather_silu_packed_eo(even, odd, gt->silu));
+      }
+#endif
       for (; gt && i < nb; i += kBlock) {
         fetch_ahead(xr + i);
         store_packed_block<Stream>(yr + i, gather_silu_packed(gate_indices(xr + i), gt->silu));
@@ -196,6 +205,19 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
                               round_block_arith<T>(silu_rounded_to<T>(a[1])) * b[1]);
     });
     if constexpr (kGatherable<T>) {
+#if defined(__AVX512BF16__)
+      // 32 gates a step in even and odd lanes, up too, the products rounded two blocks a conversion
+      // (store_bf16_eo), then a block of 16.
+      for (; gt && i + 2 * kBlock <= nb; i += 2 * kBlock) {
+        fetch_ahead(gr + i);
+        fetch_ahead(ur + i);
+        __m512i even, odd;
+        gate_indices_eo(gr + i, even, odd);
+        VF ue, uo;
+        load_bf16_eo(ur + i, ue, uo);
+        store_bf16_eo<Stream>(yr + i, gather_silu(even, gt->silu) * ue, gather_silu(odd, gt->silu) * uo);
+      }
+#endif
       for (; gt && i < nb; i += kBlock) {
         fetch_ahead(gr + i);
         fetch_ahead(ur + i);

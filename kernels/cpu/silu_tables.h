@@ -202,6 +202,29 @@ inline __m256i gather_silu_packed(__m512i idx, const uint16_t* table) {
 inline VF gather_silu(__m512i idx, const uint16_t* table) {
   return (VF)_mm512_slli_epi32(_mm512_i32gather_epi32(idx, table, 2), 16);
 }
+/// The gates of 32 bf16 at g from one 64-byte load, as the indices of the even gates (0, 2, ..., 30) and of
+/// the odd ones: a mask and a shift, where gate_indices widens by a shuffle (vec.h, load_bf16_eo).
+inline void gate_indices_eo(const BFloat16* g, __m512i& even, __m512i& odd) {
+  const __m512i u = _mm512_loadu_si512(g);
+  even = _mm512_and_si512(u, _mm512_set1_epi32(0xffff));
+  odd = _mm512_srli_epi32(u, 16);
+}
+/// The bf16 SiLU of 32 gates (gate_indices_eo), packed in order: each even gate's entry in the low half of
+/// its 32-bit word, each odd one's in the high half, by one word blend instead of two narrowings.
+inline __m512i gather_silu_packed_eo(__m512i even, __m512i odd, const uint16_t* table) {
+  const __m512i e = _mm512_i32gather_epi32(even, table, 2), o = _mm512_i32gather_epi32(odd, table, 2);
+  return _mm512_mask_blend_epi16(0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
+}
+/// 32 packed bf16 to p, streamed as two 32-byte halves when Stream (p aligned as can_stream checks).
+template <bool Stream>
+inline void store_packed_32(BFloat16* p, __m512i v) {
+  if constexpr (Stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(v));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_extracti64x4_epi64(v, 1));
+  } else {
+    _mm512_storeu_si512(p, v);
+  }
+}
 /// One field of 16 GradEntry (8 bytes each), as floats: `field` points at that field of entry 0.
 inline VF gather_grad(__m512i idx, const float* field) {
   return (VF)_mm512_i32gather_ps(idx, field, 8);

@@ -383,6 +383,20 @@ inline void store_bf16_q(BFloat16* p, VF a, VF b) {
     _mm512_storeu_si512(p, r);
   }
 }
+/// Rounds e and o (the even and odd lanes of load_bf16_eo, not yet rounded) and stores the 32 elements in
+/// order: memory element m is word 16 (m % 2) + m / 2 of the conversion.
+template <bool Stream>
+inline void store_bf16_eo(BFloat16* p, VF e, VF o) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i r = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(o, e));
+  if constexpr (Stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(r));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_extracti64x4_epi64(r, 1));
+  } else {
+    _mm512_storeu_si512(p, r);
+  }
+}
 #endif
 
 /// The paired blocks of a bf16 row below AVX-512 (load_bf16_pair, store_bf16_pair): calls pair(i) for i = 0,
