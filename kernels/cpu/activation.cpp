@@ -61,7 +61,7 @@ void silu_rows(const T* x, int64_t xs, T* y, int64_t r0, int64_t r1, int64_t n) 
         fetch_ahead(xr + i);
         __m512i even, odd;
         gate_indices_eo(xr + i, even, odd);
-        store_packed_32<Stream>(yr + i, gather_silu_packed_eo(even, odd, gt->silu));
+        store_words_32<Stream>(yr + i, gather_silu_packed_eo(even, odd, gt->silu));
       }
 #endif
       for (; gt && i < nb; i += kBlock) {

@@ -225,16 +225,6 @@ inline __m512i gather_silu_packed_eo(__m512i even, __m512i odd, const uint16_t* 
   const __m512i e = _mm512_i32gather_epi32(even, table, 2), o = _mm512_i32gather_epi32(odd, table, 2);
   return _mm512_mask_blend_epi16(0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
 }
-/// 32 packed bf16 to p, streamed as two 32-byte halves when Stream (p aligned as can_stream checks).
-template <bool Stream>
-inline void store_packed_32(BFloat16* p, __m512i v) {
-  if constexpr (Stream) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(v));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_extracti64x4_epi64(v, 1));
-  } else {
-    _mm512_storeu_si512(p, v);
-  }
-}
 /// One field of 16 GradEntry (8 bytes each), as floats: `field` points at that field of entry 0.
 inline VF gather_grad(__m512i idx, const float* field) {
   return (VF)_mm512_i32gather_ps(idx, field, 8);

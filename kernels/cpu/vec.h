@@ -346,6 +346,20 @@ inline void store_bf16_pair(BFloat16* p, VF lo, VF hi) {
 #endif
 #endif
 
+#if defined(__AVX512F__)
+/// 32 bf16 packed in order in v to p, streamed as two 32-byte halves when Stream (p aligned as can_stream
+/// checks for bf16 blocks).
+template <bool Stream>
+inline void store_words_32(BFloat16* p, __m512i v) {
+  if constexpr (Stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(v));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_extracti64x4_epi64(v, 1));
+  } else {
+    _mm512_storeu_si512(p, v);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // 32 bf16 elements a step at the AVX-512 BF16 levels, for elementwise rows bound by port 5 (the one port that
 // shuffles on Intel cores, where vcvtneps2bf16 also takes two micro-ops of it; docs/performance.md, "bf16
@@ -368,34 +382,27 @@ inline void round_bf16_eo(VF e, VF o, VF& a, VF& b) {
   a = (VF)_mm512_slli_epi32(c, 16);
   b = (VF)_mm512_and_si512(c, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
 }
+/// lo and hi rounded by one conversion (lo's lanes to words 0-15, hi's to 16-31), the words put in memory
+/// order (element m takes word order[m]) and stored.
+template <bool Stream>
+inline void store_bf16_words(BFloat16* p, VF lo, VF hi, __m512i order) {
+  store_words_32<Stream>(p, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+}
 /// Rounds a and b (q lanes of a row loaded by load_bf16_eo) and stores the 32 elements in order: memory
-/// element m is word 8 (m % 4) + m / 4 of the conversion. Streamed as two 32-byte halves (p aligned as
-/// can_stream checks for bf16 blocks).
+/// element m is word 8 (m % 4) + m / 4 of the conversion.
 template <bool Stream>
 inline void store_bf16_q(BFloat16* p, VF a, VF b) {
-  const __m512i order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4, 27, 19,
-                                         11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
-  const __m512i r = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-  if constexpr (Stream) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(r));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_extracti64x4_epi64(r, 1));
-  } else {
-    _mm512_storeu_si512(p, r);
-  }
+  store_bf16_words<Stream>(p, a, b,
+                           _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4, 27,
+                                            19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0));
 }
 /// Rounds e and o (the even and odd lanes of load_bf16_eo, not yet rounded) and stores the 32 elements in
 /// order: memory element m is word 16 (m % 2) + m / 2 of the conversion.
 template <bool Stream>
 inline void store_bf16_eo(BFloat16* p, VF e, VF o) {
-  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i r = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(o, e));
-  if constexpr (Stream) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(r));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_extracti64x4_epi64(r, 1));
-  } else {
-    _mm512_storeu_si512(p, r);
-  }
+  store_bf16_words<Stream>(p, e, o,
+                           _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                            7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0));
 }
 #endif
 
