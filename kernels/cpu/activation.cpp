@@ -146,12 +146,8 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
       for (; gt && i + 2 * kBlock <= nb; i += 2 * kBlock) {
         fetch_ahead(dyr + i);
         fetch_ahead(xr + i);
-        __m512i even, odd;
-        gate_indices_eo(xr + i, even, odd);
-        VF de, dox;
-        load_bf16_eo(dyr + i, de, dox);
-        store_bf16_eo<Stream>(dxr + i, de * gather_grad(even, &gt->grad[0].dsilu),
-                              dox * gather_grad(odd, &gt->grad[0].dsilu));
+        store_gathered_products_eo<Stream>(dxr + i, xr + i, dyr + i,
+                                           [&](__m512i idx) { return gather_grad(idx, &gt->grad[0].dsilu); });
       }
 #endif
       for (; gt && i < nb; i += kBlock) {
@@ -224,11 +220,8 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
       for (; gt && i + 2 * kBlock <= nb; i += 2 * kBlock) {
         fetch_ahead(gr + i);
         fetch_ahead(ur + i);
-        __m512i even, odd;
-        gate_indices_eo(gr + i, even, odd);
-        VF ue, uo;
-        load_bf16_eo(ur + i, ue, uo);
-        store_bf16_eo<Stream>(yr + i, gather_silu(even, gt->silu) * ue, gather_silu(odd, gt->silu) * uo);
+        store_gathered_products_eo<Stream>(yr + i, gr + i, ur + i,
+                                           [&](__m512i idx) { return gather_silu(idx, gt->silu); });
       }
 #endif
       for (; gt && i < nb; i += kBlock) {

@@ -225,6 +225,18 @@ inline __m512i gather_silu_packed_eo(__m512i even, __m512i odd, const uint16_t* 
   const __m512i e = _mm512_i32gather_epi32(even, table, 2), o = _mm512_i32gather_epi32(odd, table, 2);
   return _mm512_mask_blend_epi16(0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
 }
+#if defined(__AVX512BF16__)
+/// 32 products gather(gate) * v for the gates at g and the bf16 values at v, in even and odd lanes, rounded
+/// and stored in order at out (store_bf16_eo); gather(indices) gives 16 gates' table values as floats.
+template <bool Stream, class Gather>
+inline void store_gathered_products_eo(BFloat16* out, const BFloat16* g, const BFloat16* v, Gather&& gather) {
+  __m512i even, odd;
+  gate_indices_eo(g, even, odd);
+  VF ve, vo;
+  load_bf16_eo(v, ve, vo);
+  store_bf16_eo<Stream>(out, gather(even) * ve, gather(odd) * vo);
+}
+#endif
 /// One field of 16 GradEntry (8 bytes each), as floats: `field` points at that field of entry 0.
 inline VF gather_grad(__m512i idx, const float* field) {
   return (VF)_mm512_i32gather_ps(idx, field, 8);
