@@ -106,5 +106,9 @@
      or +inf; loss = -((label_logit - max) - log(sum)) where max is finite, else NaN (cross_entropy_rows'). */\
   X(cross_entropy_block, void, (DType dtype, const void* z, int64_t ldz, int64_t cols, int64_t v0,             \
                                 const int64_t* target, void* max, void* sum, void* label_logit,                 \
-                                int64_t row_begin, int64_t row_end))
+                                int64_t row_begin, int64_t row_end))                                                 \
+  /* Transpose of 16-bit elements (bits moved): dst[j * dst_ld + i] = src[i * src_ld + j] for i < rows and   \
+     the columns j in [col_begin, col_end) (the transpose's rows, so that threads split them). */             \
+  X(transpose_16, void, (const void* src, int64_t src_ld, void* dst, int64_t dst_ld, int64_t rows,             \
+                         int64_t col_begin, int64_t col_end, bool stream))
 // clang-format on

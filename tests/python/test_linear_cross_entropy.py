@@ -229,9 +229,13 @@ def test_minus_infinity_logits_contribute_nothing():
     check_against_transformers(kernmap_loss, torch.float32, hidden, weight, bias, labels)
 
 
-def test_results_do_not_depend_on_thread_count(chunk_rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_results_do_not_depend_on_thread_count(chunk_rows, monkeypatch, dtype):
+    """Several chunks; the 16-bit products by blocks of classes (KERNMAP_LCE_VOCAB_BLOCK), the last partial,
+    their transposes split between the threads."""
     chunk_rows(32)
-    hidden, weight, bias, labels = make(150, 40, 333, torch.float32, bias=True, ignore=range(20, 40))
+    monkeypatch.setenv("KERNMAP_LCE_VOCAB_BLOCK", "64")
+    hidden, weight, bias, labels = make(150, 40, 333, dtype, bias=True, ignore=range(20, 40))
     before = torch.get_num_threads()
     outs = []
     try:

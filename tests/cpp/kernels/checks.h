@@ -77,10 +77,12 @@ void add_rms_norm_empty_inputs(const Case& c);
 void decoder_ops_name_the_bad_argument(const Case& c);
 
 // loss_checks.cpp: the fused LM-head product and cross-entropy.
-/// Sizes N, H, V, chunk (rows per chunk); layouts "no_bias", "bias".
+/// Sizes N, H, V, chunk (rows per chunk), block (classes per block); layouts "no_bias", "bias".
 void linear_cross_entropy_matches_reference(const Case& c);
 /// Sizes V.
 void cross_entropy_rows_match_float64_math(const Case& c);
+/// Sizes rows, cols; no dtype (16-bit words).
+void transpose_16_moves_every_word(const Case& c);
 
 // harness_checks.cpp: the ops' errors, the levels, and the harness's proofs.
 void ops_name_the_bad_argument(const Case& c);

@@ -1,6 +1,7 @@
 // The fused LM-head product and cross-entropy: linear_cross_entropy against its reference (transformers'
 // eager math) forward and backward, over several chunks of rows, ignored rows and a bias; and its row kernel
-// (cross_entropy_rows) against float64 math, non-finite rows included. Figures: tests/tolerances.json,
+// (cross_entropy_rows) against float64 math, non-finite rows included; the transposes of its 16-bit products
+// (transpose_16) word for word. Figures: tests/tolerances.json,
 // "linear_cross_entropy" (fractions of the largest |reference|: the mean's gradients are too small for the
 // elementwise rule's atol). tests/python adds transformers itself, gradcheck, opcheck and torch.compile.
 #include <torch/csrc/autograd/autograd.h>
@@ -42,6 +43,8 @@ void linear_cross_entropy_matches_reference(const Case& c) {
   const int64_t N = c["N"], H = c["H"], V = c["V"];
   const bool with_bias = c.layout == "bias";
   const EnvSetting rows("KERNMAP_LCE_CHUNK_ROWS", c["chunk"]);
+  std::optional<EnvSetting> classes;
+  if (c["block"] > 0) classes.emplace("KERNMAP_LCE_VOCAB_BLOCK", c["block"]);
   const at::Tensor h0 = randn({N, H}, c.dtype);
   const at::Tensor w0 = (at::randn({V, H}, at::kDouble) * (2 / std::sqrt(double(H)))).to(c.dtype);
   const at::Tensor b0 = randn({V}, c.dtype);
@@ -70,6 +73,7 @@ void linear_cross_entropy_matches_reference(const Case& c) {
   }
   // Without gradients the logits go by blocks of classes: 16 (several blocks, the last partial, where V > 16)
   // and the default (one block at these sizes).
+  classes.reset();
   for (const int64_t block : {int64_t{16}, int64_t{0}}) {
     SCOPED_TRACE("classes per block " + std::to_string(block));
     std::optional<EnvSetting> set;
@@ -152,6 +156,33 @@ void cross_entropy_rows_match_float64_math(const Case& c) {
       EXPECT_NEAR(got, want, t.row_loss * std::abs(want));
     }
   }
+}
+
+void transpose_16_moves_every_word(const Case& c) {
+  const int64_t rows = c["rows"], cols = c["cols"];
+  const auto& k = kernmap::cpu::kernel_table();
+  // Every 16-bit pattern can occur (NaN payloads included): the words are random bits. Rows of src are 5
+  // words longer than a row (strided); dst's rows 3 longer, and their padding must stay as it was.
+  const at::TensorOptions words = at::TensorOptions().dtype(at::kShort);
+  const at::Tensor src = at::randint(-32768, 32768, {rows, cols + 5}, words);
+  const at::Tensor want = src.narrow(1, 0, cols).t();
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "stored");
+    // Split between two calls at column 3 (inside the first tile), as threads split the columns.
+    at::Tensor dst = at::full({cols, rows + 3}, 0x5a5a, words);
+    const int64_t split = std::min<int64_t>(3, cols);
+    k.transpose_16(src.const_data_ptr(), cols + 5, dst.data_ptr(), rows + 3, rows, 0, split, stream);
+    k.transpose_16(src.const_data_ptr(), cols + 5, dst.data_ptr(), rows + 3, rows, split, cols, stream);
+    EXPECT_TRUE(at::equal(dst.narrow(1, 0, rows), want));
+    EXPECT_TRUE((dst.narrow(1, rows, 3) == 0x5a5a).all().item<bool>()) << "a padding word was written";
+  }
+  // Streamed whole lines: dst 64-byte aligned, its rows a whole number of lines (rows rounded up to 32).
+  const int64_t ld = (rows + 31) / 32 * 32;
+  at::Tensor dst = at::full({cols, ld}, 0x5a5a, words);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(dst.data_ptr()) % 64, 0u);
+  k.transpose_16(src.const_data_ptr(), cols + 5, dst.data_ptr(), ld, rows, 0, cols, true);
+  EXPECT_TRUE(at::equal(dst.narrow(1, 0, rows), want)) << "aligned, streamed";
+  EXPECT_TRUE((dst.narrow(1, rows, ld - rows) == 0x5a5a).all().item<bool>()) << "a padding word was written";
 }
 
 }  // namespace kernmap::testing

@@ -428,12 +428,16 @@ const std::vector<Row>& kernel_table() {
        .layouts = {""},
        .check = experts_same_bits_at_any_thread_count},
       // ---- the fused LM-head product and cross-entropy ----
-      // One element; several chunks of rows (16 and 5 rows a chunk); a vocabulary under one vector (7).
+      // One element; several chunks of rows (16 and 5 rows a chunk); a vocabulary under one vector (7); the
+      // 16-bit products by blocks of classes (block: KERNMAP_LCE_VOCAB_BLOCK, 0 the default), several blocks
+      // with the last partial, and a chunk of 100 rows and blocks of 72 classes, whose transposes take whole
+      // bands and tiles and partial ones.
       {.op = "linear_cross_entropy",
-       .shapes = {{.sizes = {{"N", 1}, {"H", 1}, {"V", 1}, {"chunk", 256}}},
-                  {.sizes = {{"N", 37}, {"H", 19}, {"V", 101}, {"chunk", 256}}},
-                  {.sizes = {{"N", 203}, {"H", 33}, {"V", 517}, {"chunk", 16}}},
-                  {.sizes = {{"N", 64}, {"H", 8}, {"V", 7}, {"chunk", 5}}}},
+       .shapes = {{.sizes = {{"N", 1}, {"H", 1}, {"V", 1}, {"chunk", 256}, {"block", 0}}},
+                  {.sizes = {{"N", 37}, {"H", 19}, {"V", 101}, {"chunk", 256}, {"block", 64}}},
+                  {.sizes = {{"N", 203}, {"H", 33}, {"V", 517}, {"chunk", 16}, {"block", 40}}},
+                  {.sizes = {{"N", 64}, {"H", 8}, {"V", 7}, {"chunk", 5}, {"block", 3}}},
+                  {.sizes = {{"N", 150}, {"H", 24}, {"V", 300}, {"chunk", 100}, {"block", 72}}}},
        .layouts = {"no_bias", "bias"},
        .check = linear_cross_entropy_matches_reference},
       // Its row kernel over 203 logits: no block width divides it.
@@ -441,6 +445,12 @@ const std::vector<Row>& kernel_table() {
        .shapes = grid({{"V", {203}}}),
        .layouts = {""},
        .check = cross_entropy_rows_match_float64_math},
+      // Its transposes: bands of 32 rows and tiles of 8 columns whole and partial, one row or column.
+      {.op = "transpose_16",
+       .shapes = grid({{"rows", {1, 31, 32, 33, 100}}, {"cols", {1, 7, 8, 9, 70}}}),
+       .layouts = {""},
+       .check = transpose_16_moves_every_word,
+       .dtypes = kNoDtype},
       // ---- the ops' errors, the levels, the harness ----
       {.op = "op_errors",
        .shapes = {Shape{}},

@@ -1,0 +1,182 @@
+// The transpose of a matrix of 16-bit elements (bf16, fp16: bits moved, never converted), compiled once per
+// instruction-set level: the fused linear cross-entropy hands its logits to oneDNN's products in the layout
+// they run fastest in (ops/linear_cross_entropy.cpp).
+#include "kernels/cpu/vec.h"
+
+// GCC 12 flags its own _mm512_undefined_epi32 in the 32- and 64-bit unpacks (avx512fintrin.h).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+namespace kernmap::cpu {
+namespace KERNMAP_CPU_LEVEL {
+namespace {
+
+// One register of 16-bit words as kLanes 128-bit lanes of 8 words. A tile is 8 x kLanes rows by 8 columns:
+// lane q of register k holds row k + 8q's 8 words, three rounds of unpacks (words, pairs, quads) transpose
+// each lane's 8 x 8 block in place, and register j then holds column j's 8 x kLanes words in row order — one
+// row of the transpose. 24 unpacks, 8 x kLanes 16-byte loads and 8 stores a tile; no shuffle across lanes.
+#if defined(__AVX512F__)
+using Words = __m512i;
+constexpr int kLanes = 4;
+inline Words unpack_lo16(Words a, Words b) {
+  return _mm512_unpacklo_epi16(a, b);
+}
+inline Words unpack_hi16(Words a, Words b) {
+  return _mm512_unpackhi_epi16(a, b);
+}
+inline Words unpack_lo32(Words a, Words b) {
+  return _mm512_unpacklo_epi32(a, b);
+}
+inline Words unpack_hi32(Words a, Words b) {
+  return _mm512_unpackhi_epi32(a, b);
+}
+inline Words unpack_lo64(Words a, Words b) {
+  return _mm512_unpacklo_epi64(a, b);
+}
+inline Words unpack_hi64(Words a, Words b) {
+  return _mm512_unpackhi_epi64(a, b);
+}
+inline Words load_lanes(const uint16_t* p, int64_t lane_step) {
+  Words v = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + lane_step)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * lane_step)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * lane_step)), 3);
+}
+inline void store_words(uint16_t* p, Words v) {
+  _mm512_storeu_si512(p, v);
+}
+#elif defined(__AVX2__)
+using Words = __m256i;
+constexpr int kLanes = 2;
+inline Words unpack_lo16(Words a, Words b) {
+  return _mm256_unpacklo_epi16(a, b);
+}
+inline Words unpack_hi16(Words a, Words b) {
+  return _mm256_unpackhi_epi16(a, b);
+}
+inline Words unpack_lo32(Words a, Words b) {
+  return _mm256_unpacklo_epi32(a, b);
+}
+inline Words unpack_hi32(Words a, Words b) {
+  return _mm256_unpackhi_epi32(a, b);
+}
+inline Words unpack_lo64(Words a, Words b) {
+  return _mm256_unpacklo_epi64(a, b);
+}
+inline Words unpack_hi64(Words a, Words b) {
+  return _mm256_unpackhi_epi64(a, b);
+}
+inline Words load_lanes(const uint16_t* p, int64_t lane_step) {
+  const Words v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + lane_step)), 1);
+}
+inline void store_words(uint16_t* p, Words v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
+#else
+using Words = __m128i;
+constexpr int kLanes = 1;
+inline Words unpack_lo16(Words a, Words b) {
+  return _mm_unpacklo_epi16(a, b);
+}
+inline Words unpack_hi16(Words a, Words b) {
+  return _mm_unpackhi_epi16(a, b);
+}
+inline Words unpack_lo32(Words a, Words b) {
+  return _mm_unpacklo_epi32(a, b);
+}
+inline Words unpack_hi32(Words a, Words b) {
+  return _mm_unpackhi_epi32(a, b);
+}
+inline Words unpack_lo64(Words a, Words b) {
+  return _mm_unpacklo_epi64(a, b);
+}
+inline Words unpack_hi64(Words a, Words b) {
+  return _mm_unpackhi_epi64(a, b);
+}
+inline Words load_lanes(const uint16_t* p, int64_t) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+inline void store_words(uint16_t* p, Words v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
+}
+#endif
+
+constexpr int64_t kTileRows = 8 * kLanes;
+// Rows of a band: a 64-byte line of each transposed row (kBandRows / kTileRows tiles, whose stores fill it),
+// so that streamed stores write whole lines.
+constexpr int64_t kBandRows = 32;
+
+template <bool Stream>
+inline void store_row(uint16_t* p, Words v) {
+  if constexpr (Stream) {
+#if defined(__AVX512F__)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+#elif defined(__AVX2__)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+#else
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), v);
+#endif
+  } else {
+    store_words(p, v);
+  }
+}
+
+// dst[j][r0 + i] = src[r0 + i][j] for i < kTileRows, j in [c0, c0 + 8).
+template <bool Stream>
+inline void tile(const uint16_t* src, int64_t src_ld, uint16_t* dst, int64_t dst_ld, int64_t r0, int64_t c0) {
+  const uint16_t* s = src + r0 * src_ld + c0;
+  Words a[8], b[8], c[8];
+  for (int k = 0; k < 8; ++k) a[k] = load_lanes(s + k * src_ld, 8 * src_ld);
+  // Words: b[2m] holds rows 2m, 2m+1 interleaved for columns 0-3, b[2m+1] for columns 4-7.
+  for (int m = 0; m < 4; ++m) {
+    b[2 * m] = unpack_lo16(a[2 * m], a[2 * m + 1]);
+    b[2 * m + 1] = unpack_hi16(a[2 * m], a[2 * m + 1]);
+  }
+  // Pairs: c[0..3] rows 0-3 of columns (0,1), (2,3), (4,5), (6,7); c[4..7] rows 4-7 of the same.
+  for (int h = 0; h < 2; ++h) {
+    c[4 * h + 0] = unpack_lo32(b[4 * h + 0], b[4 * h + 2]);
+    c[4 * h + 1] = unpack_hi32(b[4 * h + 0], b[4 * h + 2]);
+    c[4 * h + 2] = unpack_lo32(b[4 * h + 1], b[4 * h + 3]);
+    c[4 * h + 3] = unpack_hi32(b[4 * h + 1], b[4 * h + 3]);
+  }
+  // Quads: column 2p from c[p] and c[p + 4]'s low halves, column 2p + 1 from their high halves.
+  uint16_t* d = dst + c0 * dst_ld + r0;
+  for (int p = 0; p < 4; ++p) {
+    store_row<Stream>(d + (2 * p) * dst_ld, unpack_lo64(c[p], c[p + 4]));
+    store_row<Stream>(d + (2 * p + 1) * dst_ld, unpack_hi64(c[p], c[p + 4]));
+  }
+}
+
+// Bands of kBandRows rows across the columns: a band's rows are read as one stream each (their lines serve
+// four tiles while they stay in L1) and its stores fill a line of each transposed row.
+template <bool Stream>
+void transpose_bands(const uint16_t* src, int64_t src_ld, uint16_t* dst, int64_t dst_ld, int64_t rows,
+                     int64_t col_begin, int64_t col_end) {
+  const int64_t banded_rows = rows / kBandRows * kBandRows;
+  const int64_t tiled_end = col_begin + (col_end - col_begin) / 8 * 8;
+  for (int64_t r0 = 0; r0 < banded_rows; r0 += kBandRows)
+    for (int64_t c0 = col_begin; c0 < tiled_end; c0 += 8)
+      for (int64_t t = 0; t < kBandRows; t += kTileRows) tile<Stream>(src, src_ld, dst, dst_ld, r0 + t, c0);
+  for (int64_t j = tiled_end; j < col_end; ++j)
+    for (int64_t i = 0; i < banded_rows; ++i) dst[j * dst_ld + i] = src[i * src_ld + j];
+  for (int64_t i = banded_rows; i < rows; ++i)
+    for (int64_t j = col_begin; j < col_end; ++j) dst[j * dst_ld + i] = src[i * src_ld + j];
+  if constexpr (Stream) _mm_sfence();
+}
+
+}  // namespace
+
+void transpose_16(const void* src_v, int64_t src_ld, void* dst_v, int64_t dst_ld, int64_t rows,
+                  int64_t col_begin, int64_t col_end, bool stream) {
+  const auto* src = static_cast<const uint16_t*>(src_v);
+  auto* dst = static_cast<uint16_t*>(dst_v);
+  // Streamed where every band's stores fill whole lines: the transposed rows 64-byte aligned.
+  if (stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && (dst_ld * 2) % 64 == 0) {
+    transpose_bands<true>(src, src_ld, dst, dst_ld, rows, col_begin, col_end);
+  } else {
+    transpose_bands<false>(src, src_ld, dst, dst_ld, rows, col_begin, col_end);
+  }
+}
+
+}  // namespace KERNMAP_CPU_LEVEL
+}  // namespace kernmap::cpu
