@@ -102,8 +102,8 @@ inline void store_words(uint16_t* p, Words v) {
 #endif
 
 constexpr int64_t kTileRows = 8 * kLanes;
-// Rows of a band: a 64-byte line of each transposed row (kBandRows / kTileRows tiles, whose stores fill it),
-// so that streamed stores write whole lines.
+// Rows of a band: a 64-byte line of each transposed row (kBandRows / kTileRows tiles), so that streamed
+// stores write whole lines.
 constexpr int64_t kBandRows = 32;
 
 template <bool Stream>
@@ -121,9 +121,9 @@ inline void store_row(uint16_t* p, Words v) {
   }
 }
 
-// dst[j][r0 + i] = src[r0 + i][j] for i < kTileRows, j in [c0, c0 + 8).
-template <bool Stream>
-inline void tile(const uint16_t* src, int64_t src_ld, uint16_t* dst, int64_t dst_ld, int64_t r0, int64_t c0) {
+// Column j's kTileRows words of the tile at (r0, c0) in out[j], j < 8: dst[c0 + j][r0 + i] = src[r0 + i][c0 +
+// j].
+inline void tile(const uint16_t* src, int64_t src_ld, int64_t r0, int64_t c0, Words (&out)[8]) {
   const uint16_t* s = src + r0 * src_ld + c0;
   Words a[8], b[8], c[8];
   for (int k = 0; k < 8; ++k) a[k] = load_lanes(s + k * src_ld, 8 * src_ld);
@@ -140,23 +140,30 @@ inline void tile(const uint16_t* src, int64_t src_ld, uint16_t* dst, int64_t dst
     c[4 * h + 3] = unpack_hi32(b[4 * h + 1], b[4 * h + 3]);
   }
   // Quads: column 2p from c[p] and c[p + 4]'s low halves, column 2p + 1 from their high halves.
-  uint16_t* d = dst + c0 * dst_ld + r0;
   for (int p = 0; p < 4; ++p) {
-    store_row<Stream>(d + (2 * p) * dst_ld, unpack_lo64(c[p], c[p + 4]));
-    store_row<Stream>(d + (2 * p + 1) * dst_ld, unpack_hi64(c[p], c[p + 4]));
+    out[2 * p] = unpack_lo64(c[p], c[p + 4]);
+    out[2 * p + 1] = unpack_hi64(c[p], c[p + 4]);
   }
 }
 
 // Bands of kBandRows rows across the columns: a band's rows are read as one stream each (their lines serve
-// four tiles while they stay in L1) and its stores fill a line of each transposed row.
+// four tiles while they stay in L1). The band's tiles at a column are transposed first and each transposed
+// row's line then stored in one go: streamed stores of a line's parts with other lines' between them ran at a
+// fifth of the rate below AVX-512 (docs/performance.md, "Fused loss's products by blocks of classes").
 template <bool Stream>
 void transpose_bands(const uint16_t* src, int64_t src_ld, uint16_t* dst, int64_t dst_ld, int64_t rows,
                      int64_t col_begin, int64_t col_end) {
+  constexpr int kTiles = kBandRows / kTileRows;
   const int64_t banded_rows = rows / kBandRows * kBandRows;
   const int64_t tiled_end = col_begin + (col_end - col_begin) / 8 * 8;
   for (int64_t r0 = 0; r0 < banded_rows; r0 += kBandRows)
-    for (int64_t c0 = col_begin; c0 < tiled_end; c0 += 8)
-      for (int64_t t = 0; t < kBandRows; t += kTileRows) tile<Stream>(src, src_ld, dst, dst_ld, r0 + t, c0);
+    for (int64_t c0 = col_begin; c0 < tiled_end; c0 += 8) {
+      Words out[kTiles][8];
+      for (int t = 0; t < kTiles; ++t) tile(src, src_ld, r0 + t * kTileRows, c0, out[t]);
+      uint16_t* d = dst + c0 * dst_ld + r0;
+      for (int j = 0; j < 8; ++j)
+        for (int t = 0; t < kTiles; ++t) store_row<Stream>(d + j * dst_ld + t * kTileRows, out[t][j]);
+    }
   for (int64_t j = tiled_end; j < col_end; ++j)
     for (int64_t i = 0; i < banded_rows; ++i) dst[j * dst_ld + i] = src[i * src_ld + j];
   for (int64_t i = banded_rows; i < rows; ++i)
