@@ -212,8 +212,11 @@ def test_second_backward_through_a_retained_graph_is_an_error():
         loss.backward()
 
 
-def test_non_finite_logits_give_nan_as_in_transformers():
-    hidden, weight, _, labels = make(6, 8, 30, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_non_finite_logits_give_nan_as_in_transformers(monkeypatch, dtype):
+    """16-bit: the products by blocks of classes (8 a block), whose transposes carry NaN and Inf as bits."""
+    monkeypatch.setenv("KERNMAP_LCE_VOCAB_BLOCK", "8")
+    hidden, weight, _, labels = make(6, 8, 30, dtype)
     hidden[2, 3] = float("nan")
     weight[5] = float("inf")
     got, got_grads = loss_and_grads(kernmap_loss, hidden, weight, None, labels)
@@ -222,11 +225,13 @@ def test_non_finite_logits_give_nan_as_in_transformers():
     assert torch.equal(got_grads[0].isnan(), want_grads[0].isnan())
 
 
-def test_minus_infinity_logits_contribute_nothing():
-    hidden, weight, bias, labels = make(6, 8, 30, torch.float32, bias=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_minus_infinity_logits_contribute_nothing(monkeypatch, dtype):
+    monkeypatch.setenv("KERNMAP_LCE_VOCAB_BLOCK", "8")
+    hidden, weight, bias, labels = make(6, 8, 30, dtype, bias=True)
     bias[7] = -float("inf")
     labels[labels == 7] = 8
-    check_against_transformers(kernmap_loss, torch.float32, hidden, weight, bias, labels)
+    check_against_transformers(kernmap_loss, dtype, hidden, weight, bias, labels)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
