@@ -17,24 +17,7 @@ namespace {
 #if defined(__AVX512F__)
 using Words = __m512i;
 constexpr int kLanes = 4;
-inline Words unpack_lo16(Words a, Words b) {
-  return _mm512_unpacklo_epi16(a, b);
-}
-inline Words unpack_hi16(Words a, Words b) {
-  return _mm512_unpackhi_epi16(a, b);
-}
-inline Words unpack_lo32(Words a, Words b) {
-  return _mm512_unpacklo_epi32(a, b);
-}
-inline Words unpack_hi32(Words a, Words b) {
-  return _mm512_unpackhi_epi32(a, b);
-}
-inline Words unpack_lo64(Words a, Words b) {
-  return _mm512_unpacklo_epi64(a, b);
-}
-inline Words unpack_hi64(Words a, Words b) {
-  return _mm512_unpackhi_epi64(a, b);
-}
+#define KERNMAP_WORDS(op) _mm512_##op
 inline Words load_lanes(const uint16_t* p, int64_t lane_step) {
   Words v = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + lane_step)), 1);
@@ -47,24 +30,7 @@ inline void store_words(uint16_t* p, Words v) {
 #elif defined(__AVX2__)
 using Words = __m256i;
 constexpr int kLanes = 2;
-inline Words unpack_lo16(Words a, Words b) {
-  return _mm256_unpacklo_epi16(a, b);
-}
-inline Words unpack_hi16(Words a, Words b) {
-  return _mm256_unpackhi_epi16(a, b);
-}
-inline Words unpack_lo32(Words a, Words b) {
-  return _mm256_unpacklo_epi32(a, b);
-}
-inline Words unpack_hi32(Words a, Words b) {
-  return _mm256_unpackhi_epi32(a, b);
-}
-inline Words unpack_lo64(Words a, Words b) {
-  return _mm256_unpacklo_epi64(a, b);
-}
-inline Words unpack_hi64(Words a, Words b) {
-  return _mm256_unpackhi_epi64(a, b);
-}
+#define KERNMAP_WORDS(op) _mm256_##op
 inline Words load_lanes(const uint16_t* p, int64_t lane_step) {
   const Words v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + lane_step)), 1);
@@ -75,24 +41,7 @@ inline void store_words(uint16_t* p, Words v) {
 #else
 using Words = __m128i;
 constexpr int kLanes = 1;
-inline Words unpack_lo16(Words a, Words b) {
-  return _mm_unpacklo_epi16(a, b);
-}
-inline Words unpack_hi16(Words a, Words b) {
-  return _mm_unpackhi_epi16(a, b);
-}
-inline Words unpack_lo32(Words a, Words b) {
-  return _mm_unpacklo_epi32(a, b);
-}
-inline Words unpack_hi32(Words a, Words b) {
-  return _mm_unpackhi_epi32(a, b);
-}
-inline Words unpack_lo64(Words a, Words b) {
-  return _mm_unpacklo_epi64(a, b);
-}
-inline Words unpack_hi64(Words a, Words b) {
-  return _mm_unpackhi_epi64(a, b);
-}
+#define KERNMAP_WORDS(op) _mm_##op
 inline Words load_lanes(const uint16_t* p, int64_t) {
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 }
@@ -100,6 +49,26 @@ inline void store_words(uint16_t* p, Words v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
 }
 #endif
+// The unpacks within 128-bit lanes, at the level's width.
+inline Words unpack_lo16(Words a, Words b) {
+  return KERNMAP_WORDS(unpacklo_epi16)(a, b);
+}
+inline Words unpack_hi16(Words a, Words b) {
+  return KERNMAP_WORDS(unpackhi_epi16)(a, b);
+}
+inline Words unpack_lo32(Words a, Words b) {
+  return KERNMAP_WORDS(unpacklo_epi32)(a, b);
+}
+inline Words unpack_hi32(Words a, Words b) {
+  return KERNMAP_WORDS(unpackhi_epi32)(a, b);
+}
+inline Words unpack_lo64(Words a, Words b) {
+  return KERNMAP_WORDS(unpacklo_epi64)(a, b);
+}
+inline Words unpack_hi64(Words a, Words b) {
+  return KERNMAP_WORDS(unpackhi_epi64)(a, b);
+}
+#undef KERNMAP_WORDS
 
 constexpr int64_t kTileRows = 8 * kLanes;
 // Rows of a band: a 64-byte line of each transposed row (kBandRows / kTileRows tiles), so that streamed
