@@ -112,16 +112,23 @@ std::optional<int64_t> env_count(const char* name, const char* what) {
 // chunk also streams the weight twice and its gradient in and out. 512 rows ran faster than 256 on the two
 // CPU kinds measured, for 155 MB more buffer at V 151936 (docs/ops.md, "Fused linear cross-entropy").
 constexpr int64_t kMinChunkRows = 512;
+// And at least as many bytes of logits as 512 fp32 rows: 1024 rows for 16-bit products, whose chunk pays the
+// same weight traffic (BLAS packing the weight for z W, the weight gradient read and written) beside products
+// that can run several times the fp32 rate (bf16 on AMX tiles: 6 % faster, 155 MB more buffer at V 151936;
+// level where oneDNN runs below the tiles: docs/ops.md, "Fused linear cross-entropy").
+constexpr int64_t kMinChunkBytesPerClass = kMinChunkRows * 4;
 
 // Rows per chunk with gradients (docs/ops.md, "Fused linear cross-entropy"): as many as the last-level cache
 // holds in logits, last-level cache / (V x element size) (the streaming threshold's cache size), and at least
-// kMinChunkRows. Without gradients, the rows of a pass over the weight: all counted rows, at most 4096 (the
-// weight is streamed, and BLAS packs each block of it, once a pass: the more rows share that, the nearer the
-// product runs to its dense rate; the bound keeps a gathered copy of the rows and the vocabulary block's
-// logits small). KERNMAP_LCE_CHUNK_ROWS sets both (tests, tuning).
+// kMinChunkRows and kMinChunkBytesPerClass / element size. Without gradients, the rows of a pass over the
+// weight: all counted rows, at most 4096 (the weight is streamed, and BLAS packs each block of it, once a
+// pass: the more rows share that, the nearer the product runs to its dense rate; the bound keeps a gathered
+// copy of the rows and the vocabulary block's logits small). KERNMAP_LCE_CHUNK_ROWS sets both (tests,
+// tuning).
 int64_t chunk_rows(int64_t V, int64_t element_size, bool grad) {
   if (const auto rows = env_count("KERNMAP_LCE_CHUNK_ROWS", "rows")) return *rows;
-  return grad ? std::max<int64_t>(kMinChunkRows, last_level_cache_bytes() / (V * element_size)) : 4096;
+  const int64_t min_rows = std::max(kMinChunkRows, kMinChunkBytesPerClass / element_size);
+  return grad ? std::max(min_rows, last_level_cache_bytes() / (V * element_size)) : 4096;
 }
 
 // Classes per block: a block of `rows` rows' logits fills the last-level cache, so that the next pass reads
@@ -328,7 +335,8 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
   if (want_gw && !in_fp32 && n == 0) gw.zero_();
   at::Tensor row_loss = at::empty({n}, hidden.options().dtype(acc_t));
 
-  const int64_t C = std::min(chunk_rows(V, hidden.element_size(), true), n);
+  // The products' element size: the fp32 route's buffers are fp32 (as fp32's chunks).
+  const int64_t C = std::min(chunk_rows(V, products_in_fp32(hidden) ? 4 : hidden.element_size(), true), n);
   at::Tensor z_buf = empty_large({C, V}, hidden.options());
   const at::Tensor rows = at::from_blob(const_cast<int64_t*>(t.row.data()), {n}, at::kLong);
   const auto& k = cpu::kernel_table();
