@@ -90,8 +90,7 @@ inline void store_row(uint16_t* p, Words v) {
   }
 }
 
-// Column j's kTileRows words of the tile at (r0, c0) in out[j], j < 8: dst[c0 + j][r0 + i] = src[r0 + i][c0 +
-// j].
+// The tile at (r0, c0) transposed: out[j] holds src[r0 + i][c0 + j] for i < kTileRows, in order of i.
 inline void tile(const uint16_t* src, int64_t src_ld, int64_t r0, int64_t c0, Words (&out)[8]) {
   const uint16_t* s = src + r0 * src_ld + c0;
   Words a[8], b[8], c[8];
