@@ -114,7 +114,7 @@ std::optional<int64_t> env_count(const char* name, const char* what) {
 constexpr int64_t kMinChunkRows = 512;
 // And at least as many bytes of logits as 512 fp32 rows: 1024 rows for 16-bit products, whose chunk pays the
 // same weight traffic (BLAS packing the weight for z W, the weight gradient read and written) beside products
-// that can run several times the fp32 rate (bf16 on AMX tiles 6 % faster, level where oneDNN runs below the
+// that can run several times the fp32 rate (bf16 on AMX tiles 6 % faster, neutral where oneDNN runs below the
 // tiles; 155 MB more buffer at V 151936: docs/ops.md, "Fused linear cross-entropy").
 constexpr int64_t kMinChunkBytesPerClass = kMinChunkRows * 4;
 
