@@ -233,28 +233,33 @@ at::Tensor loss_by_vocab_blocks(const at::Tensor& hidden, const at::Tensor& weig
   return loss;
 }
 
-// The 16-bit products with gradients by blocks of classes (native bf16 and fp16 products: oneDNN's). oneDNN
-// runs z^T h, the weight gradient's product, with z^T a transposed view at about half the rate of the same
-// product with z^T's rows contiguous, and h w^T, the logits, slower than w h^T (docs/performance.md, "Fused
-// loss's products by blocks of classes"); both go a block of B classes at a time through a [B, rows] buffer
-// that transpose_16 fills from z or empties into z, while it is still in the cache.
-bool products_by_class_blocks(const at::Tensor& hidden) {
+// The products with gradients by blocks of classes. BLAS runs h w^T, the logits, slower than w h^T (oneDNN's
+// bf16 and fp16 products, MKL's fp32), and oneDNN runs z^T h, the weight gradient's product, with z^T a
+// transposed view at about half the rate of the same product with z^T's rows contiguous (MKL's fp32 at the
+// same rate either way) (docs/performance.md, "Fused loss's products by blocks of classes"); each goes a
+// block of B classes at a time through a [B, rows] buffer that `transpose` empties into z or fills from z,
+// while it is still in the cache. fp64 (gradcheck, tests) keeps the one products.
+bool logits_by_class_blocks(const at::Tensor& hidden) {
+  return hidden.scalar_type() == at::kFloat || (hidden.element_size() == 2 && !products_in_fp32(hidden));
+}
+bool weight_grad_by_class_blocks(const at::Tensor& hidden) {
   return hidden.element_size() == 2 && !products_in_fp32(hidden);
 }
 
-// transpose_16 over the columns [0, cols) of src, split between threads by groups of 8 (its tiles' width).
-void transpose_words(const void* src, int64_t src_ld, void* dst, int64_t dst_ld, int64_t rows, int64_t cols,
-                     bool stream) {
+// The kernels' transpose of 2- or 4-byte words over the columns [0, cols) of src, split between threads by
+// groups of 8 (a whole number of tiles' widths).
+void transpose_words(int64_t element_bytes, const void* src, int64_t src_ld, void* dst, int64_t dst_ld,
+                     int64_t rows, int64_t cols, bool stream) {
   const auto& k = cpu::kernel_table();
-  at::parallel_for(0, (cols + 7) / 8, std::max<int64_t>(1, 4096 / std::max<int64_t>(rows, 1)),
-                   [&](int64_t a, int64_t e) {
-                     k.transpose_16(src, src_ld, dst, dst_ld, rows, a * 8, std::min(e * 8, cols), stream);
-                   });
+  at::parallel_for(
+      0, (cols + 7) / 8, std::max<int64_t>(1, 4096 / std::max<int64_t>(rows, 1)), [&](int64_t a, int64_t e) {
+        k.transpose(element_bytes, src, src_ld, dst, dst_ld, rows, a * 8, std::min(e * 8, cols), stream);
+      });
 }
 
 // z [c, V] = hc w^T (+ b) as t = w[block] hc^T (+ b[block] per row of t), then z[:, block] = t^T.
-void logits_by_class_blocks(const at::Tensor& z, const at::Tensor& hc, const at::Tensor& weight,
-                            const at::Tensor& b, const at::Tensor& t_buf, int64_t B) {
+void logits_by_blocks(const at::Tensor& z, const at::Tensor& hc, const at::Tensor& weight,
+                      const at::Tensor& b, const at::Tensor& t_buf, int64_t B) {
   const int64_t c = z.size(0), V = z.size(1), es = z.element_size();
   const at::Tensor hct = hc.t();
   for (int64_t v0 = 0; v0 < V; v0 += B) {
@@ -266,18 +271,19 @@ void logits_by_class_blocks(const at::Tensor& z, const at::Tensor& hc, const at:
     } else {
       at::mm_out(t, wb, hct);
     }
-    transpose_words(t.const_data_ptr(), c, static_cast<char*>(z.data_ptr()) + v0 * es, V, n, c, true);
+    transpose_words(es, t.const_data_ptr(), c, static_cast<char*>(z.data_ptr()) + v0 * es, V, n, c, true);
   }
 }
 
 // gw = z^T hc (accumulate: gw += z^T hc) as gw[block] = t hc with t = z[:, block]^T.
-void weight_grad_by_class_blocks(const at::Tensor& gw, const at::Tensor& z, const at::Tensor& hc,
-                                 const at::Tensor& t_buf, int64_t B, bool accumulate) {
+void weight_grad_by_blocks(const at::Tensor& gw, const at::Tensor& z, const at::Tensor& hc,
+                           const at::Tensor& t_buf, int64_t B, bool accumulate) {
   const int64_t c = z.size(0), V = z.size(1), es = z.element_size();
   for (int64_t v0 = 0; v0 < V; v0 += B) {
     const int64_t n = std::min(B, V - v0);
     at::Tensor t = t_buf.narrow(0, 0, n * c).view({n, c});
-    transpose_words(static_cast<const char*>(z.const_data_ptr()) + v0 * es, V, t.data_ptr(), c, c, n, false);
+    transpose_words(es, static_cast<const char*>(z.const_data_ptr()) + v0 * es, V, t.data_ptr(), c, c, n,
+                    false);
     at::Tensor out = gw.narrow(0, v0, n);
     if (accumulate) {
       out.addmm_(t, hc);
@@ -346,16 +352,17 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
   const at::Tensor b = product_bias(bias, in_fp32);
   at::Tensor gw_acc = want_gw && in_fp32 ? at::empty({V, H}, w.options()) : gw;
   at::Tensor z32_buf = in_fp32 ? at::empty({C, V}, w.options()) : at::Tensor();
-  const bool by_blocks = products_by_class_blocks(hidden);
-  const int64_t B = by_blocks ? std::min(vocab_block(std::max<int64_t>(C, 1), hidden.element_size()), V) : 0;
-  at::Tensor t_buf = by_blocks ? at::empty({B * C}, hidden.options()) : at::Tensor();
+  const bool z_by_blocks = logits_by_class_blocks(hidden), gw_by_blocks = weight_grad_by_class_blocks(hidden);
+  const int64_t B =
+      z_by_blocks ? std::min(vocab_block(std::max<int64_t>(C, 1), hidden.element_size()), V) : 0;
+  at::Tensor t_buf = z_by_blocks ? at::empty({B * C}, hidden.options()) : at::Tensor();
   for (int64_t c0 = 0; c0 < n; c0 += C) {
     const int64_t c = std::min(C, n - c0);
     const auto [run, idx, hc] = rows_of(hidden, t, rows, c0, c, in_fp32);
     at::Tensor z = z_buf.narrow(0, 0, c);
     at::Tensor zp = in_fp32 ? z32_buf.narrow(0, 0, c) : z;  // the products' output
-    if (by_blocks) {
-      logits_by_class_blocks(z, hc, weight, b, t_buf, B);
+    if (z_by_blocks) {
+      logits_by_blocks(z, hc, weight, b, t_buf, B);
     } else if (bias) {
       at::addmm_out(zp, b, hc, wt);
     } else {
@@ -376,8 +383,8 @@ Grads forward_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::
         gh.index_copy_(0, idx, at::mm(zp, w).to(gh.scalar_type()));
       }
     }
-    if (want_gw && by_blocks) {
-      weight_grad_by_class_blocks(gw_acc, z, hc, t_buf, B, c0 > 0);
+    if (want_gw && gw_by_blocks) {
+      weight_grad_by_blocks(gw_acc, z, hc, t_buf, B, c0 > 0);
     } else if (want_gw) {
       if (c0 == 0) {
         at::mm_out(gw_acc, zp.t(), hc);

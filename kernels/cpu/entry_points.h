@@ -107,8 +107,9 @@
   X(cross_entropy_block, void, (DType dtype, const void* z, int64_t ldz, int64_t cols, int64_t v0,             \
                                 const int64_t* target, void* max, void* sum, void* label_logit,                 \
                                 int64_t row_begin, int64_t row_end))                                                 \
-  /* Transpose of 16-bit elements (bits moved): dst[j * dst_ld + i] = src[i * src_ld + j] for i < rows and   \
-     the columns j in [col_begin, col_end) (the transpose's rows, so that threads split them). */             \
-  X(transpose_16, void, (const void* src, int64_t src_ld, void* dst, int64_t dst_ld, int64_t rows,             \
-                         int64_t col_begin, int64_t col_end, bool stream))
+  /* Transpose of 2- or 4-byte elements (element_bytes; bits moved): dst[j * dst_ld + i] = src[i * src_ld + j] \
+     for i < rows and the columns j in [col_begin, col_end) (the transpose's rows, so that threads split     \
+     them). */                                                                                                \
+  X(transpose, void, (int64_t element_bytes, const void* src, int64_t src_ld, void* dst, int64_t dst_ld,      \
+                      int64_t rows, int64_t col_begin, int64_t col_end, bool stream))
 // clang-format on

@@ -1,5 +1,5 @@
-// The transpose of a matrix of 16-bit elements (bf16, fp16: bits moved, never converted), compiled once per
-// instruction-set level: the fused linear cross-entropy hands its logits to oneDNN's products in the layout
+// The transpose of a matrix of 16-bit or 32-bit elements (bits moved, never converted), compiled once per
+// instruction-set level: the fused linear cross-entropy hands its logits to BLAS's products in the layout
 // they run fastest in (ops/linear_cross_entropy.cpp).
 #include "kernels/cpu/vec.h"
 
@@ -10,43 +10,47 @@ namespace kernmap::cpu {
 namespace KERNMAP_CPU_LEVEL {
 namespace {
 
-// One register of 16-bit words as kLanes 128-bit lanes of 8 words. A tile is 8 x kLanes rows by 8 columns:
-// lane q of register k holds row k + 8q's 8 words, three rounds of unpacks (words, pairs, quads) transpose
-// each lane's 8 x 8 block in place, and register j then holds column j's 8 x kLanes words in row order — one
-// row of the transpose. 24 unpacks, 8 x kLanes 16-byte loads and 8 stores a tile; no shuffle across lanes.
+// One register as kLanes 128-bit lanes of 16 bytes: 8 16-bit words or 4 32-bit ones. A tile is kRows x kLanes
+// rows by kRows columns (kRows = the words of a lane): lane q of register k holds row k + kRows q's words,
+// rounds of unpacks (16-bit words, pairs, quads; 32-bit: words, pairs) transpose each lane's kRows x kRows
+// block in place, and register j then holds column j's kRows x kLanes words in row order — one row of the
+// transpose. No shuffle across lanes.
 #if defined(__AVX512F__)
 using Words = __m512i;
 constexpr int kLanes = 4;
 #define KERNMAP_WORDS(op) _mm512_##op
-inline Words load_lanes(const uint16_t* p, int64_t lane_step) {
+template <class W>
+inline Words load_lanes(const W* p, int64_t lane_step) {
   Words v = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + lane_step)), 1);
   v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * lane_step)), 2);
   return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * lane_step)), 3);
 }
-inline void store_words(uint16_t* p, Words v) {
+inline void store_words(void* p, Words v) {
   _mm512_storeu_si512(p, v);
 }
 #elif defined(__AVX2__)
 using Words = __m256i;
 constexpr int kLanes = 2;
 #define KERNMAP_WORDS(op) _mm256_##op
-inline Words load_lanes(const uint16_t* p, int64_t lane_step) {
+template <class W>
+inline Words load_lanes(const W* p, int64_t lane_step) {
   const Words v = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_inserti128_si256(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + lane_step)), 1);
 }
-inline void store_words(uint16_t* p, Words v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+inline void store_words(void* p, Words v) {
+  _mm256_storeu_si256(static_cast<__m256i*>(p), v);
 }
 #else
 using Words = __m128i;
 constexpr int kLanes = 1;
 #define KERNMAP_WORDS(op) _mm_##op
-inline Words load_lanes(const uint16_t* p, int64_t) {
+template <class W>
+inline Words load_lanes(const W* p, int64_t) {
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 }
-inline void store_words(uint16_t* p, Words v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
+inline void store_words(void* p, Words v) {
+  _mm_storeu_si128(static_cast<__m128i*>(p), v);
 }
 #endif
 // The unpacks within 128-bit lanes, at the level's width.
@@ -70,67 +74,87 @@ inline Words unpack_hi64(Words a, Words b) {
 }
 #undef KERNMAP_WORDS
 
-constexpr int64_t kTileRows = 8 * kLanes;
-// Rows of a band: a 64-byte line of each transposed row (kBandRows / kTileRows tiles), so that streamed
-// stores write whole lines.
-constexpr int64_t kBandRows = 32;
-
+// Streamed where Stream: p aligned to the register's width.
 template <bool Stream>
-inline void store_row(uint16_t* p, Words v) {
+inline void store_row(void* p, Words v) {
   if constexpr (Stream) {
 #if defined(__AVX512F__)
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+    _mm512_stream_si512(static_cast<__m512i*>(p), v);
 #elif defined(__AVX2__)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+    _mm256_stream_si256(static_cast<__m256i*>(p), v);
 #else
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), v);
+    _mm_stream_si128(static_cast<__m128i*>(p), v);
 #endif
   } else {
     store_words(p, v);
   }
 }
 
+// The shape of W's tiles and bands. A band has a 64-byte line of each transposed row (kBandRows / kTileRows
+// tiles), so that streamed stores write whole lines.
+template <class W>
+struct Shape {
+  static constexpr int kRows = 16 / sizeof(W);  // words of a lane: a tile's columns
+  static constexpr int64_t kTileRows = kRows * kLanes;
+  static constexpr int64_t kBandRows = 64 / sizeof(W);
+};
+
 // The tile at (r0, c0) transposed: out[j] holds src[r0 + i][c0 + j] for i < kTileRows, in order of i.
-inline void tile(const uint16_t* src, int64_t src_ld, int64_t r0, int64_t c0, Words (&out)[8]) {
-  const uint16_t* s = src + r0 * src_ld + c0;
-  Words a[8], b[8], c[8];
-  for (int k = 0; k < 8; ++k) a[k] = load_lanes(s + k * src_ld, 8 * src_ld);
-  // Words: b[2m] holds rows 2m, 2m+1 interleaved for columns 0-3, b[2m+1] for columns 4-7.
-  for (int m = 0; m < 4; ++m) {
-    b[2 * m] = unpack_lo16(a[2 * m], a[2 * m + 1]);
-    b[2 * m + 1] = unpack_hi16(a[2 * m], a[2 * m + 1]);
-  }
-  // Pairs: c[0..3] rows 0-3 of columns (0,1), (2,3), (4,5), (6,7); c[4..7] rows 4-7 of the same.
-  for (int h = 0; h < 2; ++h) {
-    c[4 * h + 0] = unpack_lo32(b[4 * h + 0], b[4 * h + 2]);
-    c[4 * h + 1] = unpack_hi32(b[4 * h + 0], b[4 * h + 2]);
-    c[4 * h + 2] = unpack_lo32(b[4 * h + 1], b[4 * h + 3]);
-    c[4 * h + 3] = unpack_hi32(b[4 * h + 1], b[4 * h + 3]);
-  }
-  // Quads: column 2p from c[p] and c[p + 4]'s low halves, column 2p + 1 from their high halves.
-  for (int p = 0; p < 4; ++p) {
-    out[2 * p] = unpack_lo64(c[p], c[p + 4]);
-    out[2 * p + 1] = unpack_hi64(c[p], c[p + 4]);
+template <class W>
+inline void tile(const W* src, int64_t src_ld, int64_t r0, int64_t c0, Words (&out)[Shape<W>::kRows]) {
+  constexpr int R = Shape<W>::kRows;
+  const W* s = src + r0 * src_ld + c0;
+  Words a[R];
+  for (int k = 0; k < R; ++k) a[k] = load_lanes(s + k * src_ld, R * src_ld);
+  if constexpr (R == 8) {
+    // Words: b[2m] holds rows 2m, 2m+1 interleaved for columns 0-3, b[2m+1] for columns 4-7.
+    Words b[8], c[8];
+    for (int m = 0; m < 4; ++m) {
+      b[2 * m] = unpack_lo16(a[2 * m], a[2 * m + 1]);
+      b[2 * m + 1] = unpack_hi16(a[2 * m], a[2 * m + 1]);
+    }
+    // Pairs: c[0..3] rows 0-3 of columns (0,1), (2,3), (4,5), (6,7); c[4..7] rows 4-7 of the same.
+    for (int h = 0; h < 2; ++h) {
+      c[4 * h + 0] = unpack_lo32(b[4 * h + 0], b[4 * h + 2]);
+      c[4 * h + 1] = unpack_hi32(b[4 * h + 0], b[4 * h + 2]);
+      c[4 * h + 2] = unpack_lo32(b[4 * h + 1], b[4 * h + 3]);
+      c[4 * h + 3] = unpack_hi32(b[4 * h + 1], b[4 * h + 3]);
+    }
+    // Quads: column 2p from c[p] and c[p + 4]'s low halves, column 2p + 1 from their high halves.
+    for (int p = 0; p < 4; ++p) {
+      out[2 * p] = unpack_lo64(c[p], c[p + 4]);
+      out[2 * p + 1] = unpack_hi64(c[p], c[p + 4]);
+    }
+  } else {
+    // Words: b[0] rows 0, 1 of columns 0, 1; b[1] of columns 2, 3; b[2], b[3] the same of rows 2, 3.
+    const Words b[4] = {unpack_lo32(a[0], a[1]), unpack_hi32(a[0], a[1]), unpack_lo32(a[2], a[3]),
+                        unpack_hi32(a[2], a[3])};
+    // Pairs: column 2p from b[p] and b[p + 2]'s low halves, column 2p + 1 from their high halves.
+    for (int p = 0; p < 2; ++p) {
+      out[2 * p] = unpack_lo64(b[p], b[p + 2]);
+      out[2 * p + 1] = unpack_hi64(b[p], b[p + 2]);
+    }
   }
 }
 
 // Bands of kBandRows rows across the columns: a band's rows are read as one stream each (their lines serve
-// four tiles while they stay in L1). The band's tiles at a column are transposed first and each transposed
+// several tiles while they stay in L1). The band's tiles at a column are transposed first and each transposed
 // row's line then stored in one go: streamed stores of a line's parts with other lines' between them ran at a
 // fifth of the rate below AVX-512 (docs/performance.md, "Fused loss's products by blocks of classes").
-template <bool Stream>
-void transpose_bands(const uint16_t* src, int64_t src_ld, uint16_t* dst, int64_t dst_ld, int64_t rows,
-                     int64_t col_begin, int64_t col_end) {
-  constexpr int kTiles = kBandRows / kTileRows;
-  const int64_t banded_rows = rows / kBandRows * kBandRows;
-  const int64_t tiled_end = col_begin + (col_end - col_begin) / 8 * 8;
-  for (int64_t r0 = 0; r0 < banded_rows; r0 += kBandRows)
-    for (int64_t c0 = col_begin; c0 < tiled_end; c0 += 8) {
-      Words out[kTiles][8];
-      for (int t = 0; t < kTiles; ++t) tile(src, src_ld, r0 + t * kTileRows, c0, out[t]);
-      uint16_t* d = dst + c0 * dst_ld + r0;
-      for (int j = 0; j < 8; ++j)
-        for (int t = 0; t < kTiles; ++t) store_row<Stream>(d + j * dst_ld + t * kTileRows, out[t][j]);
+template <class W, bool Stream>
+void transpose_bands(const W* src, int64_t src_ld, W* dst, int64_t dst_ld, int64_t rows, int64_t col_begin,
+                     int64_t col_end) {
+  using S = Shape<W>;
+  constexpr int kTiles = S::kBandRows / S::kTileRows;
+  const int64_t banded_rows = rows / S::kBandRows * S::kBandRows;
+  const int64_t tiled_end = col_begin + (col_end - col_begin) / S::kRows * S::kRows;
+  for (int64_t r0 = 0; r0 < banded_rows; r0 += S::kBandRows)
+    for (int64_t c0 = col_begin; c0 < tiled_end; c0 += S::kRows) {
+      Words out[kTiles][S::kRows];
+      for (int t = 0; t < kTiles; ++t) tile(src, src_ld, r0 + t * S::kTileRows, c0, out[t]);
+      W* d = dst + c0 * dst_ld + r0;
+      for (int j = 0; j < S::kRows; ++j)
+        for (int t = 0; t < kTiles; ++t) store_row<Stream>(d + j * dst_ld + t * S::kTileRows, out[t][j]);
     }
   for (int64_t j = tiled_end; j < col_end; ++j)
     for (int64_t i = 0; i < banded_rows; ++i) dst[j * dst_ld + i] = src[i * src_ld + j];
@@ -139,17 +163,27 @@ void transpose_bands(const uint16_t* src, int64_t src_ld, uint16_t* dst, int64_t
   if constexpr (Stream) _mm_sfence();
 }
 
+template <class W>
+void transpose_of(const void* src_v, int64_t src_ld, void* dst_v, int64_t dst_ld, int64_t rows,
+                  int64_t col_begin, int64_t col_end, bool stream) {
+  const auto* src = static_cast<const W*>(src_v);
+  auto* dst = static_cast<W*>(dst_v);
+  // Streamed where every band's stores fill whole lines: the transposed rows 64-byte aligned.
+  if (stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && (dst_ld * sizeof(W)) % 64 == 0) {
+    transpose_bands<W, true>(src, src_ld, dst, dst_ld, rows, col_begin, col_end);
+  } else {
+    transpose_bands<W, false>(src, src_ld, dst, dst_ld, rows, col_begin, col_end);
+  }
+}
+
 }  // namespace
 
-void transpose_16(const void* src_v, int64_t src_ld, void* dst_v, int64_t dst_ld, int64_t rows,
-                  int64_t col_begin, int64_t col_end, bool stream) {
-  const auto* src = static_cast<const uint16_t*>(src_v);
-  auto* dst = static_cast<uint16_t*>(dst_v);
-  // Streamed where every band's stores fill whole lines: the transposed rows 64-byte aligned.
-  if (stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && (dst_ld * 2) % 64 == 0) {
-    transpose_bands<true>(src, src_ld, dst, dst_ld, rows, col_begin, col_end);
+void transpose(int64_t element_bytes, const void* src, int64_t src_ld, void* dst, int64_t dst_ld,
+               int64_t rows, int64_t col_begin, int64_t col_end, bool stream) {
+  if (element_bytes == 2) {
+    transpose_of<uint16_t>(src, src_ld, dst, dst_ld, rows, col_begin, col_end, stream);
   } else {
-    transpose_bands<false>(src, src_ld, dst, dst_ld, rows, col_begin, col_end);
+    transpose_of<uint32_t>(src, src_ld, dst, dst_ld, rows, col_begin, col_end, stream);
   }
 }
 

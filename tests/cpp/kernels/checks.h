@@ -81,8 +81,8 @@ void decoder_ops_name_the_bad_argument(const Case& c);
 void linear_cross_entropy_matches_reference(const Case& c);
 /// Sizes V.
 void cross_entropy_rows_match_float64_math(const Case& c);
-/// Sizes rows, cols; no dtype (16-bit words).
-void transpose_16_moves_every_word(const Case& c);
+/// Sizes rows, cols; layouts "2_bytes", "4_bytes"; no dtype (words of that size).
+void transpose_moves_every_word(const Case& c);
 
 // harness_checks.cpp: the ops' errors, the levels, and the harness's proofs.
 void ops_name_the_bad_argument(const Case& c);

@@ -1,7 +1,7 @@
 // The fused LM-head product and cross-entropy: linear_cross_entropy against its reference (transformers'
 // eager math) forward and backward, over several chunks of rows, ignored rows and a bias; and its row kernel
-// (cross_entropy_rows) against float64 math, non-finite rows included; the transposes of its 16-bit products
-// (transpose_16) word for word. Figures: tests/tolerances.json,
+// (cross_entropy_rows) against float64 math, non-finite rows included; the transposes of its products
+// (transpose) word for word. Figures: tests/tolerances.json,
 // "linear_cross_entropy" (fractions of the largest |reference|: the mean's gradients are too small for the
 // elementwise rule's atol). tests/python adds transformers itself, gradcheck, opcheck and torch.compile.
 #include <torch/csrc/autograd/autograd.h>
@@ -158,31 +158,36 @@ void cross_entropy_rows_match_float64_math(const Case& c) {
   }
 }
 
-void transpose_16_moves_every_word(const Case& c) {
+void transpose_moves_every_word(const Case& c) {
   const int64_t rows = c["rows"], cols = c["cols"];
+  const bool wide = c.layout == "4_bytes";
+  const int64_t bytes = wide ? 4 : 2, line = 64 / bytes;
   const auto& k = kernmap::cpu::kernel_table();
-  // Every 16-bit pattern can occur (NaN payloads included): the words are random bits. Rows of src are 5
-  // words longer than a row (strided); dst's rows 3 longer, and their padding must stay as it was.
-  const at::TensorOptions words = at::TensorOptions().dtype(at::kShort);
-  const at::Tensor src = at::randint(-32768, 32768, {rows, cols + 5}, words);
+  // Every bit pattern can occur (NaN payloads included): the words are random bits. Rows of src are 5 words
+  // longer than a row (strided); dst's rows 3 longer, and their padding must stay as it was.
+  const at::TensorOptions words = at::TensorOptions().dtype(wide ? at::kInt : at::kShort);
+  const int64_t lo = wide ? std::numeric_limits<int32_t>::min() : -32768;
+  const int64_t hi = wide ? std::numeric_limits<int32_t>::max() : 32767;
+  const at::Tensor src = at::randint(lo, hi, {rows, cols + 5}, words);
   const at::Tensor want = src.narrow(1, 0, cols).t();
+  const int64_t pad = 0x5a5a;
   for (const bool stream : {false, true}) {
     SCOPED_TRACE(stream ? "streamed" : "stored");
     // Split between two calls at column 3 (inside the first tile), as threads split the columns.
-    at::Tensor dst = at::full({cols, rows + 3}, 0x5a5a, words);
+    at::Tensor dst = at::full({cols, rows + 3}, pad, words);
     const int64_t split = std::min<int64_t>(3, cols);
-    k.transpose_16(src.const_data_ptr(), cols + 5, dst.data_ptr(), rows + 3, rows, 0, split, stream);
-    k.transpose_16(src.const_data_ptr(), cols + 5, dst.data_ptr(), rows + 3, rows, split, cols, stream);
+    k.transpose(bytes, src.const_data_ptr(), cols + 5, dst.data_ptr(), rows + 3, rows, 0, split, stream);
+    k.transpose(bytes, src.const_data_ptr(), cols + 5, dst.data_ptr(), rows + 3, rows, split, cols, stream);
     EXPECT_TRUE(at::equal(dst.narrow(1, 0, rows), want));
-    EXPECT_TRUE((dst.narrow(1, rows, 3) == 0x5a5a).all().item<bool>()) << "a padding word was written";
+    EXPECT_TRUE((dst.narrow(1, rows, 3) == pad).all().item<bool>()) << "a padding word was written";
   }
-  // Streamed whole lines: dst 64-byte aligned, its rows a whole number of lines (rows rounded up to 32).
-  const int64_t ld = (rows + 31) / 32 * 32;
-  at::Tensor dst = at::full({cols, ld}, 0x5a5a, words);
+  // Streamed whole lines: dst 64-byte aligned, its rows a whole number of lines.
+  const int64_t ld = (rows + line - 1) / line * line;
+  at::Tensor dst = at::full({cols, ld}, pad, words);
   ASSERT_EQ(reinterpret_cast<uintptr_t>(dst.data_ptr()) % 64, 0u);
-  k.transpose_16(src.const_data_ptr(), cols + 5, dst.data_ptr(), ld, rows, 0, cols, true);
+  k.transpose(bytes, src.const_data_ptr(), cols + 5, dst.data_ptr(), ld, rows, 0, cols, true);
   EXPECT_TRUE(at::equal(dst.narrow(1, 0, rows), want)) << "aligned, streamed";
-  EXPECT_TRUE((dst.narrow(1, rows, ld - rows) == 0x5a5a).all().item<bool>()) << "a padding word was written";
+  EXPECT_TRUE((dst.narrow(1, rows, ld - rows) == pad).all().item<bool>()) << "a padding word was written";
 }
 
 }  // namespace kernmap::testing

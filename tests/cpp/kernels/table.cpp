@@ -445,11 +445,12 @@ const std::vector<Row>& kernel_table() {
        .shapes = grid({{"V", {203}}}),
        .layouts = {""},
        .check = cross_entropy_rows_match_float64_math},
-      // Its transposes: bands of 32 rows and tiles of 8 columns whole and partial, one row or column.
-      {.op = "transpose_16",
-       .shapes = grid({{"rows", {1, 31, 32, 33, 100}}, {"cols", {1, 7, 8, 9, 70}}}),
-       .layouts = {""},
-       .check = transpose_16_moves_every_word,
+      // Its transposes: bands (32 rows of 2-byte words, 16 of 4-byte) and tiles (8 and 4 columns) whole and
+      // partial, one row or column.
+      {.op = "transpose",
+       .shapes = grid({{"rows", {1, 15, 16, 17, 31, 32, 33, 100}}, {"cols", {1, 3, 4, 5, 7, 8, 9, 70}}}),
+       .layouts = {"2_bytes", "4_bytes"},
+       .check = transpose_moves_every_word,
        .dtypes = kNoDtype},
       // ---- the ops' errors, the levels, the harness ----
       {.op = "op_errors",
