@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -131,7 +132,29 @@ bool cpu_has_bf16_gemm() {
   return (avx512_bf16 || amx_bf16) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
+bool cpu_is_intel() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  return ebx == 0x756e6547u && edx == 0x49656e69u && ecx == 0x6c65746eu;  // "Genu" "ineI" "ntel"
+}
+
 }  // namespace
+
+int64_t prefetch_streams() {
+  static const int64_t cpu = cpu_is_intel() ? 32 : 0;
+  if (const char* v = std::getenv("KERNMAP_PREFETCH_STREAMS")) {
+    if (*v == '\0') return cpu;
+    char* end = nullptr;
+    errno = 0;
+    const long long n = std::strtoll(v, &end, 10);
+    if (errno != 0 || *end != '\0' || n < 0 || n > 1000000)
+      throw std::invalid_argument(
+          std::string("kernmap: KERNMAP_PREFETCH_STREAMS must be a count from 0 to 1000000, got '") + v +
+          "'");
+    return n;
+  }
+  return cpu;
+}
 
 bool bf16_gemm_native() {
   static const bool cpu = cpu_has_bf16_gemm();

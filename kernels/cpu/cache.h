@@ -46,6 +46,14 @@ int64_t l2_block_bytes();
 /// row order go in pieces of this size; the kernel's task sizes (gemm_bcast_task_rows) read the same rule.
 int64_t short_reduction_bytes(int64_t elem_size);
 
+/// How many rows a kernel may walk at once, a few cache lines of each in turn (the grouped backward's panels
+/// down a reduction block), and still have the hardware fetch every row ahead: the streams one core's L2
+/// streamer follows. Intel documents 32 (one per 4 KiB page; the Optimization Reference Manual's "streamer")
+/// for its cores since Sandy Bridge; 0 (no known limit) elsewhere, where the L2 rule alone sizes the blocks.
+/// KERNMAP_PREFETCH_STREAMS (a count, 0 for none) overrides it (tests, other CPUs; read on every call).
+/// docs/performance.md, "Reduction blocks within the L2 streamer's streams".
+int64_t prefetch_streams();
+
 /// Whether torch's bf16 matrix product (at::mm and friends) runs at least at its fp32 rate: the CPU has bf16
 /// dot products (AVX512-BF16, AMX-BF16) or AVX-NE-CONVERT's widening loads, which oneDNN uses. Elsewhere
 /// torch's bf16 product is far slower than its fp32 one: a scalar loop without AVX-512, oneDNN's software

@@ -125,6 +125,24 @@ constexpr int64_t kMaxBlockSteps = 128;
 constexpr int64_t kMinBlockSteps = (6144 / (kBcastRows * kBcastVecs * kBlock) + 7) / 8 * 8;
 static_assert(kMinBlockSteps <= kMaxBlockSteps);
 
+// The reduction block's steps (rows of B, `row_bytes` of them read, `ld_bytes` apart) by the rules above,
+// then at most as many as one core's L2 streamer follows where that count is known (kernels/cpu/cache.h,
+// prefetch_streams; Intel: 32 streams, one per 4 KiB page): the panels go down a block's rows a few lines of
+// each at a time, so every page the rows cross at one column is a stream of its own (rows under a page apart
+// share one), and past that count the hardware fetches none of them ahead. The cap comes before the 6144-FMA
+// floor. On an Intel Xeon (2 MiB L2), `grad @ W` of 16-row groups at avx2, rows 8 KiB apart, took 318 ms in
+// 128-step blocks, 287 in 48, 218 in 40 and 135-139 in 16-32; rows 3 KiB apart (down_proj) 117-121 in 64-168,
+// 58-65 in 32-48 (docs/performance.md, "Reduction blocks within the L2 streamer's streams"). A multiple of 8.
+int64_t reduction_block_steps(int64_t row_bytes, int64_t ld_bytes) {
+  const int64_t by_l2 =
+      std::clamp<int64_t>(kBlockL2Quarters * l2_block_bytes() / std::max<int64_t>(1, row_bytes) / 8 * 8,
+                          kMinBlockSteps, kMaxBlockSteps);
+  const int64_t streams = prefetch_streams();
+  if (streams <= 0) return by_l2;
+  const int64_t rows = streams * 4096 / std::clamp<int64_t>(ld_bytes, 1, 4096);
+  return std::min(by_l2, std::max<int64_t>(8, rows / 8 * 8));
+}
+
 // bf16 (dot-product instruction): a short reduction's panels (the weight gradients of small groups) are
 // interleaved once when at least this many row blocks read them; the long reductions of grad @ W (4 row
 // blocks a panel) ran slower interleaved and unpack (docs/performance.md, "gemm_bcast reduction blocks").
@@ -800,9 +818,7 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // one reduction block before the next), their partial sums parked in an M x Nw scratch block; fp64 (the
   // gradient checks) in one pass. The sums are the same either way: each element adds its products in order
   // of p.
-  const int64_t block_p = std::clamp<int64_t>(
-      kBlockL2Quarters * l2_block_bytes() / std::max<int64_t>(1, Nw * int64_t(sizeof(T))) / 8 * 8,
-      kMinBlockSteps, kMaxBlockSteps);
+  const int64_t block_p = reduction_block_steps(Nw * int64_t(sizeof(T)), ldb * int64_t(sizeof(T)));
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
 #if defined(__AVX512BF16__)
   constexpr bool kDp = std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64;
@@ -1008,8 +1024,10 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
     const bool resume = p0 > 0, park = p0 + pn < P;
     // At the AVX-512 levels (kFetchNextBlock), while this reduction block is computed, the next one is
     // fetched in memory order (whole rows of the column range, which the hardware handles far better than the
-    // panel order of the computation), spread evenly over the block's register-block calls.
-    const Fetch next = park && kFetchNextBlock
+    // panel order of the computation), spread evenly over the block's register-block calls — except where
+    // the blocks are within the L2 streamer's streams (prefetch_streams): it fetches them, and the software
+    // fetches beside it made the blocks slower (an Intel Xeon, 32-step blocks: 104-106 against 90-92 ms).
+    const Fetch next = park && kFetchNextBlock && prefetch_streams() == 0
                            ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * int64_t(sizeof(T)),
                                             Nw * int64_t(sizeof(T)), std::min(step_p, P - p0 - pn))
                            : Fetch{};

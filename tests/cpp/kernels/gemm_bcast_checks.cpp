@@ -2,6 +2,7 @@
 // sizes of its register blocks, reductions long enough to be blocked, strided operands, streaming stores.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -125,6 +126,37 @@ void gemm_bcast_short_reductions_match_small_calls(const Case& c) {
   const at::Tensor err = (written(whole).to(at::kDouble) - want).abs();
   EXPECT_TRUE(err.le(bound_of(whole, c.dtype, subnormal)).all().item<bool>())
       << "max error " << err.max().item<double>();
+}
+
+// Reduction blocks of any length give the same bits: KERNMAP_PREFETCH_STREAMS caps a block's steps (8, 16,
+// 24, 32 rows of B) or lifts the cap (0: the level-2 rule alone), which only moves where partial sums are
+// parked between blocks; each run within the float64 bound and nothing written past column N.
+void gemm_bcast_independent_of_block_length(const Case& c) {
+  const char* name = "KERNMAP_PREFETCH_STREAMS";
+  const char* old = std::getenv(name);
+  const std::string saved = old ? old : "";
+  const Operands operands = make_run(c, 7);
+  auto run = [&](const char* streams) {
+    setenv(name, streams, 1);
+    Operands r = operands;
+    r.c_store = at::full_like(operands.c_store, std::numeric_limits<double>::quiet_NaN());
+    call(r, c.dtype, 0, r.M, /*stream=*/false);
+    return r;
+  };
+  const Operands uncapped = run("0");
+  for (const char* streams : {"8", "16", "24", "32"}) {
+    Operands capped = run(streams);
+    EXPECT_TRUE(at::equal(written(uncapped), written(capped))) << name << "=" << streams;
+    const at::Tensor want = at::mm(capped.A.to(at::kDouble), capped.B.to(at::kDouble));
+    const at::Tensor err = (written(capped).to(at::kDouble) - want).abs();
+    EXPECT_TRUE(err.le(bound_of(capped, c.dtype)).all().item<bool>())
+        << name << "=" << streams << ": max error " << err.max().item<double>();
+    EXPECT_TRUE(capped.c_store.slice(1, capped.N).isnan().all().item<bool>());
+  }
+  if (old)
+    setenv(name, saved.c_str(), 1);
+  else
+    unsetenv(name);
 }
 
 // The weight gradients' task sizes (gemm_bcast_task_rows) at this level: at least one row of C, at most 512

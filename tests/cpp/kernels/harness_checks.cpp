@@ -133,6 +133,38 @@ void the_cache_reader_reads_sysfs(const Case&) {
   fs::remove_all(root);
   EXPECT_EQ(kernmap::cpu::read_cache_sizes(root.string(), false).l1d, 0);  // no folder: nothing known
 
+  // The streams the L2 streamer follows: Intel's documented 32, else no known limit; KERNMAP_PREFETCH_STREAMS
+  // sets it, an empty value leaves the CPU's, anything but a count from 0 is an error naming it and the
+  // value.
+  {
+    const char* name = "KERNMAP_PREFETCH_STREAMS";
+    const char* old = std::getenv(name);
+    const std::string saved = old ? old : "";
+    unsetenv(name);
+    const int64_t cpu = kernmap::cpu::prefetch_streams();
+    EXPECT_TRUE(cpu == 0 || cpu == 32) << cpu;
+    setenv(name, "12", 1);
+    EXPECT_EQ(kernmap::cpu::prefetch_streams(), 12);
+    setenv(name, "0", 1);
+    EXPECT_EQ(kernmap::cpu::prefetch_streams(), 0);
+    setenv(name, "", 1);
+    EXPECT_EQ(kernmap::cpu::prefetch_streams(), cpu);
+    for (const char* bad : {"abc", "-1", "8x", "99999999999999999999", "2000000"}) {
+      setenv(name, bad, 1);
+      try {
+        (void)kernmap::cpu::prefetch_streams();
+        ADD_FAILURE() << "no error for " << name << "=" << bad;
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos) << e.what();
+      }
+    }
+    if (old)
+      setenv(name, saved.c_str(), 1);
+    else
+      unsetenv(name);
+  }
+
   const kernmap::CpuCaches pub = kernmap::cpu_caches();
   const kernmap::cpu::CacheSizes& own = kernmap::cpu::cache_sizes();
   EXPECT_EQ(pub.l1d_bytes, own.l1d);
