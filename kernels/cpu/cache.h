@@ -34,7 +34,8 @@ int64_t usable_l3_bytes();
 /// in flight per core, a quarter of one core's L2 (of 1 MiB where the size is unknown). The block being
 /// computed and the next one, fetched meanwhile, take half of it; the partial sums beside them and the other
 /// operand's lines the rest (at the AVX-512 levels; below them the reduction blocks take all of L2 and
-/// nothing is fetched, gemm_outer.cpp's kBlockL2Quarters). Read by the grouped backward's reduction blocks
+/// nothing is fetched, gemm_outer.cpp's kBlockL2Quarters; on CPUs with a known prefetch_streams, at most that
+/// many pages a block). Read by the grouped backward's reduction blocks
 /// (kernels/cpu/gemm_outer.cpp) and its task sizes (ops/grouped_mm.cpp); docs/performance.md, "gemm_bcast
 /// reduction blocks", has the measurements.
 int64_t l2_block_bytes();
