@@ -1191,13 +1191,28 @@ int64_t gemm_bcast_task_rows(DType dtype, int64_t steps, int64_t cols) {
     constexpr int64_t copy_es = kWidenBf16A && bf16 ? int64_t(sizeof(float)) : es;
     const int64_t blocked =
         std::max<int64_t>(4, l2_block_bytes() / int64_t(sizeof(float)) / std::max<int64_t>(cols, 1) / 4 * 4);
-    if (!row_order && steps * cols * es > short_reduction_bytes(es)) {
+    const bool short_steps = steps * cols * es <= short_reduction_bytes(es);
+    if (!row_order && !short_steps) {
       rows = blocked;
-      return;
+    } else {
+      const int64_t packed = std::clamp<int64_t>(kPackedRowsBytes / std::max<int64_t>(1, steps * copy_es),
+                                                 kMinPackedRows, kShortReductionRows);
+      rows = std::max(blocked, packed);
     }
-    const int64_t packed = std::clamp<int64_t>(kPackedRowsBytes / std::max<int64_t>(1, steps * copy_es),
-                                               kMinPackedRows, kShortReductionRows);
-    rows = std::max(blocked, packed);
+    // Where the kernel writes this call's C with plain stores, panel by panel down the task's rows (register
+    // blocks narrower than a cache line of a row, which gemm_bcast does not stream; and bf16's short
+    // reductions at avx2, which keep the panels-outer order): each line of C is read for ownership first, and
+    // those reads walk the task's rows as grad @ W's panels walk B's. Where the L2 streamer's streams are
+    // known (prefetch_streams) a task takes at most the rows that cross that many pages, whole register
+    // blocks (reduction_block_steps has the rule). An Intel Xeon, gate_up's weight gradient at 16 rows a
+    // group, 2 threads: bf16 at avx2 332 ms in 512-row tasks, 318 in 64, 125 in 32; fp32 at baseline 678 ->
+    // 278 in 32 (docs/performance.md, "Reduction blocks within the L2 streamer's streams").
+    constexpr bool plain = !kBcastWholeLines<T> || (kBf16RowsOuter && bf16);
+    const int64_t streams = prefetch_streams();
+    if (plain && (!kBf16RowsOuter || !bf16 || short_steps) && streams > 0) {
+      const int64_t within = streams * 4096 / std::clamp<int64_t>(cols * es, 1, 4096);
+      rows = std::min(rows, std::max<int64_t>(kBcastRows, within / kBcastRows * kBcastRows));
+    }
   });
   return rows;
 }

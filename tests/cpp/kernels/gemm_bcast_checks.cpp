@@ -176,6 +176,29 @@ void gemm_bcast_task_rows_bound_their_scratch(const Case& c) {
                   rows * cols * 4 <= kernmap::cpu::l2_block_bytes())
           << rows << " rows at " << steps << " steps, " << cols << " columns";
     }
+  // Capped by the L2 streamer's streams (here 8: 32 KiB of pages), a task takes no more rows than without,
+  // and where the cap applies (the levels' plain-store orders) its rows cross at most 8 pages or are one
+  // register block.
+  const char* name = "KERNMAP_PREFETCH_STREAMS";
+  const char* old = std::getenv(name);
+  const std::string saved = old ? old : "";
+  const int64_t es = static_cast<int64_t>(c10::elementSize(c.dtype));
+  for (int64_t steps : {16, 1100})
+    for (int64_t cols : {40, 1536, 3000}) {
+      setenv(name, "0", 1);
+      const int64_t uncapped = kernmap::cpu::kernel_table().gemm_bcast_task_rows(dt, steps, cols);
+      setenv(name, "8", 1);
+      const int64_t capped = kernmap::cpu::kernel_table().gemm_bcast_task_rows(dt, steps, cols);
+      EXPECT_GE(capped, 1);
+      EXPECT_LE(capped, uncapped) << steps << " steps, " << cols << " columns";
+      EXPECT_TRUE(capped == uncapped || capped * std::min<int64_t>(cols * es, 4096) <= 8 * 4096 ||
+                  capped <= 6)
+          << capped << " rows at " << steps << " steps, " << cols << " columns";
+    }
+  if (old)
+    setenv(name, saved.c_str(), 1);
+  else
+    unsetenv(name);
 }
 
 }  // namespace kernmap::testing

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
@@ -187,6 +188,23 @@ void grouped_mm_backward_within_float64_bound_and_thread_count_free(const Case& 
   const auto [ga1, gb1] = gradients(1);
   EXPECT_TRUE(at::equal(ga1, ga2));
   EXPECT_TRUE(at::equal(gb1, gb2));
+  // The L2 streamer's streams (KERNMAP_PREFETCH_STREAMS) cap the reduction blocks and, where the weight
+  // gradient's stores are plain, its tasks' rows: none (0) and 8 give the same bits.
+  {
+    const char* name = "KERNMAP_PREFETCH_STREAMS";
+    const char* old = std::getenv(name);
+    const std::string saved = old ? old : "";
+    for (const char* streams : {"0", "8"}) {
+      setenv(name, streams, 1);
+      const auto [ga, gb] = gradients(2);
+      EXPECT_TRUE(at::equal(ga1, ga)) << name << "=" << streams;
+      EXPECT_TRUE(at::equal(gb1, gb)) << name << "=" << streams;
+    }
+    if (old)
+      setenv(name, saved.c_str(), 1);
+    else
+      unsetenv(name);
+  }
   const at::Tensor ad = a0.to(at::kDouble), bd = b0.to(at::kDouble), gd = grad.to(at::kDouble);
   at::Tensor want_a = at::zeros({T, K}, at::kDouble), want_b = at::zeros({E, K, N}, at::kDouble);
   at::Tensor scale_a = at::zeros({T, K}, at::kDouble), scale_b = at::zeros({E, K, N}, at::kDouble);
