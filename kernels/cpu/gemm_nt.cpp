@@ -117,7 +117,12 @@ constexpr int kRows = 16, kVectorRegisters = 16;
 // The rows past the last whole 8-row group that go to the dot-product blocks (kDotRows).
 constexpr int kTailLanes = 8;
 // Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
-// block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2.
+// block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2 — the latter only
+// where the L2 streamer's stream count is unknown (`fetch_next`: prefetch_streams() == 0,
+// kernels/cpu/cache.h). Where it is known (Intel: 32) the streamer follows a block's kBlockCols rows on its
+// own, and the software fetches beside it made the fp32 forward slower: gate_up at 16 rows a group, 2
+// threads, an Intel Xeon, avx512 87.2 -> 74.9 ms without them, avx2 106.0 -> 93.8 (docs/performance.md,
+// "Reduction blocks within the L2 streamer's streams").
 constexpr int kPrefetchBytes = 256;
 
 // B rows per block: 6 streams. B rows of power-of-two length fall into the same L1 set (K = 2048 fp32: 8 KiB
@@ -157,7 +162,7 @@ inline void unroll(F&& f) {
 // all; each step reads one element (fp32) or pair (bf16) of every B row — 16 steps are one 64-byte line.
 template <class R, int G, int NB, int S, class Step, class Last>
 void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64_t line_step, Step step,
-                Last last, float* out) {
+                Last last, float* out, bool fetch_next) {
   using V = typename R::V;
   V acc[S][NB][G];
   for (int s = 0; s < S; ++s)
@@ -172,8 +177,9 @@ void lanes_loop(int64_t depth, const char* const* rows, int64_t row_bytes, int64
   for (; d + 16 <= depth; d += 16) {
     for (int j = 0; j < NB; ++j) {
       _mm_prefetch(rows[j] + d * line_step + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(linear ? next + (d / 16 * NB + j) * 64 : rows[j] + NB * row_bytes + d * line_step,
-                   _MM_HINT_T1);
+      if (fetch_next)
+        _mm_prefetch(linear ? next + (d / 16 * NB + j) * 64 : rows[j] + NB * row_bytes + d * line_step,
+                     _MM_HINT_T1);
     }
     for (int dd = 0; dd < 16; dd += S) unroll<S>([&](auto s) { step(d + dd + s, acc[s]); });
   }
@@ -202,8 +208,8 @@ __attribute__((always_inline)) inline void lanes_step(const float* P, int64_t k,
 // fp32 block: out[j][8g + l] = sum_k P[k][8g + l] * W[j][k]. Not inlined: inlined into lanes_rows' many
 // instantiations, GCC 12 kept the accumulators in memory, a store of each one per step.
 template <class R, int G, int NB, int S>
-__attribute__((noinline)) void lanes_block(const float* P, const float* W, int64_t ldw, int64_t K,
-                                           float* out) {
+__attribute__((noinline)) void lanes_block(const float* P, const float* W, int64_t ldw, int64_t K, float* out,
+                                           bool fetch_next) {
   using V = typename R::V;
   const float* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
@@ -211,7 +217,7 @@ __attribute__((noinline)) void lanes_block(const float* P, const float* W, int64
     lanes_step<R, G, NB>(P, k, acc, [&](int j) { return w[j][k]; });
   };
   lanes_loop<R, G, NB, S>(
-      K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step, [](V(&)[NB][G]) {}, out);
+      K, reinterpret_cast<const char* const*>(w), ldw * 4, 4, step, [](V(&)[NB][G]) {}, out, fetch_next);
 }
 
 // bf16 weights without the dot-product instruction: each line of a B row (16 steps) is widened to fp32 once
@@ -223,7 +229,7 @@ __attribute__((noinline)) void lanes_block(const float* P, const float* W, int64
 // lanes_loop's lambdas (GCC spilled accumulators there, as for the fp32 zmm loop).
 template <class R, int G, int NB, int S>
 __attribute__((noinline)) void lanes_block(const float* P, const BFloat16* W, int64_t ldw, int64_t K,
-                                           float* out) {
+                                           float* out, bool fetch_next) {
   using V = typename R::V;
   const BFloat16* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
@@ -239,9 +245,10 @@ __attribute__((noinline)) void lanes_block(const float* P, const BFloat16* W, in
     for (int j = 0; j < NB; ++j) {
       if (k0 % 32 == 0) {  // once a line of B
         _mm_prefetch(reinterpret_cast<const char*>(w[j] + k0) + kPrefetchBytes, _MM_HINT_T0);
-        _mm_prefetch(
-            linear ? next + (k0 / 32 * NB + j) * 64 : reinterpret_cast<const char*>(w[j] + NB * ldw + k0),
-            _MM_HINT_T1);
+        if (fetch_next)
+          _mm_prefetch(
+              linear ? next + (k0 / 32 * NB + j) * 64 : reinterpret_cast<const char*>(w[j] + NB * ldw + k0),
+              _MM_HINT_T1);
       }
       for (int h = 0; h < 16; h += kBlock) store_native(dst[j] + h, load_native(w[j] + k0 + h));
     }
@@ -267,13 +274,13 @@ __attribute__((noinline)) void lanes_block(const float* P, const BFloat16* W, in
 
 template <class R, int G, int S, class P, class WT, class T>
 void lanes_rows(const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols, T* C,
-                int64_t ldc) {
+                int64_t ldc, bool fetch_next) {
   alignas(64) float out[R::kCols * G * R::kWidth];
   int64_t n = 0;
   auto run = [&](auto nb) {
     constexpr int NB = decltype(nb)::value;
     for (; n + NB <= cols; n += NB) {
-      lanes_block<R, G, NB, S>(packed, W + n * ldw, ldw, K, out);
+      lanes_block<R, G, NB, S>(packed, W + n * ldw, ldw, K, out, fetch_next);
       for (int64_t r = 0; r < rows; ++r)
         for (int j = 0; j < NB; ++j) C[r * ldc + n + j] = from_acc<T>(out[j * G * R::kWidth + r]);
     }
@@ -286,20 +293,20 @@ void lanes_rows(const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t ro
 
 template <class R, class P, class WT, class T>
 void lanes_rows_any(const P* packed, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols, T* C,
-                    int64_t ldc) {
+                    int64_t ldc, bool fetch_next) {
   const int G = static_cast<int>((rows + R::kWidth - 1) / R::kWidth);
-  if (rows <= 8) return lanes_rows<R, 1, 2>(packed, W, ldw, K, rows, cols, C, ldc);
-  if (G <= 1) return lanes_rows<R, 1, 1>(packed, W, ldw, K, rows, cols, C, ldc);
+  if (rows <= 8) return lanes_rows<R, 1, 2>(packed, W, ldw, K, rows, cols, C, ldc, fetch_next);
+  if (G <= 1) return lanes_rows<R, 1, 1>(packed, W, ldw, K, rows, cols, C, ldc, fetch_next);
   if constexpr (kRows / R::kWidth == 2) {
-    return lanes_rows<R, 2, 1>(packed, W, ldw, K, rows, cols, C, ldc);
+    return lanes_rows<R, 2, 1>(packed, W, ldw, K, rows, cols, C, ldc, fetch_next);
   } else {
     switch (G) {
       case 2:
-        return lanes_rows<R, 2, 1>(packed, W, ldw, K, rows, cols, C, ldc);
+        return lanes_rows<R, 2, 1>(packed, W, ldw, K, rows, cols, C, ldc, fetch_next);
       case 3:
-        return lanes_rows<R, 3, 1>(packed, W, ldw, K, rows, cols, C, ldc);
+        return lanes_rows<R, 3, 1>(packed, W, ldw, K, rows, cols, C, ldc, fetch_next);
       default:
-        return lanes_rows<R, 4, 1>(packed, W, ldw, K, rows, cols, C, ldc);
+        return lanes_rows<R, 4, 1>(packed, W, ldw, K, rows, cols, C, ldc, fetch_next);
     }
   }
 }
@@ -354,6 +361,7 @@ template <class R, class T>
 void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
                    int64_t K) {
   if (M <= 0 || N <= 0) return;
+  const bool fetch_next = prefetch_streams() == 0;
   constexpr int64_t kW = R::kWidth;
   const int64_t tail = dot_tail(M);
   const int64_t Ml = M - tail;  // rows through the lanes form
@@ -373,7 +381,7 @@ void lanes_gemm_in(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64
   auto pass = [&](const auto* W, int64_t ldw, int64_t n0, int64_t cols) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t rows = std::min<int64_t>(kRows, Ml - c * kRows);
-      lanes_rows_any<R>(packed + at[c], W, ldw, K, rows, cols, C + c * kRows * ldc + n0, ldc);
+      lanes_rows_any<R>(packed + at[c], W, ldw, K, rows, cols, C + c * kRows * ldc + n0, ldc, fetch_next);
     }
   };
   // The dot-product rows, copied one 64-byte line apart (rows of a power-of-two length would share the L1
@@ -462,22 +470,23 @@ __attribute__((always_inline)) inline void prefetch_line(WT* const* w, int64_t k
   const int64_t line = k * static_cast<int64_t>(sizeof(WT)) / 64;
   for (int j = 0; j < NB; ++j) {
     _mm_prefetch(reinterpret_cast<const char*>(w[j] + k) + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch(linear ? next + (line * NB + j) * 64 : reinterpret_cast<const char*>(w[j] + NB * ldw + k),
-                 _MM_HINT_T1);
+    if (next)
+      _mm_prefetch(linear ? next + (line * NB + j) * 64 : reinterpret_cast<const char*>(w[j] + NB * ldw + k),
+                   _MM_HINT_T1);
   }
 }
 
 // fp32 block: 4 elements of each B row a step, read in place; the last step of an odd K reads only the
 // elements before K (masked: the next row's, or memory past B, never enter a product).
 template <int Q, int NB>
-__attribute__((noinline)) void quad_block(const float* P, const float* W, int64_t ldw, int64_t K,
-                                          float* out) {
+__attribute__((noinline)) void quad_block(const float* P, const float* W, int64_t ldw, int64_t K, float* out,
+                                          bool fetch_next) {
   __m512 acc[NB][Q];
   for (int j = 0; j < NB; ++j)
     for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_setzero_ps();
   const float* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
-  const char* next = reinterpret_cast<const char*>(W + NB * ldw);
+  const char* next = fetch_next ? reinterpret_cast<const char*>(W + NB * ldw) : nullptr;
   const int64_t K4 = K - K % kQuadRows;
   int64_t k = 0;
   for (; k < K4; k += kQuadRows, P += Q * 16) {
@@ -510,13 +519,13 @@ __attribute__((always_inline)) inline void widen_lines(const BFloat16* const* w,
 // above).
 template <int Q, int NB>
 __attribute__((noinline)) void quad_block(const float* P, const BFloat16* W, int64_t ldw, int64_t K,
-                                          float* out) {
+                                          float* out, bool fetch_next) {
   __m512 acc[NB][Q];
   for (int j = 0; j < NB; ++j)
     for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_setzero_ps();
   const BFloat16* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = W + j * ldw;
-  const char* next = reinterpret_cast<const char*>(W + NB * ldw);
+  const char* next = fetch_next ? reinterpret_cast<const char*>(W + NB * ldw) : nullptr;
   alignas(64) float wide[2][NB][16];
   const int64_t K16 = K - K % 16;
   if (K > 0) widen_lines<NB>(w, 0, K, wide[0]);
@@ -538,14 +547,14 @@ __attribute__((noinline)) void quad_block(const float* P, const BFloat16* W, int
 // `cols` columns of C for the pass's rows, in blocks of quad_cols(Q) B rows, then 4, 2, 1.
 template <int Q, class WT, class T>
 void quad_rows(const float* P, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols, T* C,
-               int64_t ldc) {
+               int64_t ldc, bool fetch_next) {
   alignas(64) float out[8 * Q * 16];
   int64_t n = 0;
   auto run = [&](auto nb) {
     constexpr int NB = decltype(nb)::value;
     if constexpr (NB <= quad_cols(Q)) {
       for (; n + NB <= cols; n += NB) {
-        quad_block<Q, NB>(P, W + n * ldw, ldw, K, out);
+        quad_block<Q, NB>(P, W + n * ldw, ldw, K, out, fetch_next);
         for (int64_t r = 0; r < rows; ++r)
           for (int j = 0; j < NB; ++j)
             C[r * ldc + n + j] = from_acc<T>(out[(j * Q + r / 4) * 16 + r % 4 * 4]);
@@ -560,20 +569,20 @@ void quad_rows(const float* P, const WT* W, int64_t ldw, int64_t K, int64_t rows
 
 template <class WT, class T>
 void quad_rows_any(int Q, const float* P, const WT* W, int64_t ldw, int64_t K, int64_t rows, int64_t cols,
-                   T* C, int64_t ldc) {
+                   T* C, int64_t ldc, bool fetch_next) {
   switch (Q) {
     case 1:
-      return quad_rows<1>(P, W, ldw, K, rows, cols, C, ldc);
+      return quad_rows<1>(P, W, ldw, K, rows, cols, C, ldc, fetch_next);
     case 2:
-      return quad_rows<2>(P, W, ldw, K, rows, cols, C, ldc);
+      return quad_rows<2>(P, W, ldw, K, rows, cols, C, ldc, fetch_next);
     case 3:
-      return quad_rows<3>(P, W, ldw, K, rows, cols, C, ldc);
+      return quad_rows<3>(P, W, ldw, K, rows, cols, C, ldc, fetch_next);
     case 4:
-      return quad_rows<4>(P, W, ldw, K, rows, cols, C, ldc);
+      return quad_rows<4>(P, W, ldw, K, rows, cols, C, ldc, fetch_next);
     case 5:
-      return quad_rows<5>(P, W, ldw, K, rows, cols, C, ldc);
+      return quad_rows<5>(P, W, ldw, K, rows, cols, C, ldc, fetch_next);
     default:
-      return quad_rows<6>(P, W, ldw, K, rows, cols, C, ldc);
+      return quad_rows<6>(P, W, ldw, K, rows, cols, C, ldc, fetch_next);
   }
 }
 
@@ -582,6 +591,7 @@ template <class T>
 void quad_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc, int64_t M, int64_t N,
                int64_t K) {
   if (M <= 0 || N <= 0) return;
+  const bool fetch_next = prefetch_streams() == 0;
   const int64_t quads = (M + kQuadRows - 1) / kQuadRows, passes = (quads + kMaxQuads - 1) / kMaxQuads;
   const int64_t steps = (K + kQuadRows - 1) / kQuadRows;
   // Pass p: quads / passes quads, one more for the first quads % passes; packed one after another.
@@ -605,7 +615,7 @@ void quad_gemm(const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t l
     const int64_t cols = std::min<int64_t>(step, N - n0);
     for (int64_t p = 0; p < passes; ++p)
       quad_rows_any(quads_of(p), packed_of(p), B + n0 * ldb, ldb, K, row0[p + 1] - row0[p], cols,
-                    C + row0[p] * ldc + n0, ldc);
+                    C + row0[p] * ldc + n0, ldc, fetch_next);
   }
 }
 #endif

@@ -4,9 +4,36 @@
 // builds the inputs that a reference row shares with a check).
 #pragma once
 
+#include <cstdlib>
+#include <optional>
+#include <string>
+
 #include "tests/cpp/kernels/harness.h"
 
 namespace kernmap::testing {
+
+/// Sets an environment variable that the kernels or ops read at every call (KERNMAP_LCE_CHUNK_ROWS,
+/// KERNMAP_PREFETCH_STREAMS, ...) for its lifetime, then restores the value it had (or unsets it).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    set(value);
+  }
+  ~ScopedEnv() {
+    if (old_)
+      setenv(name_, old_->c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  void set(const std::string& value) const { setenv(name_, value.c_str(), 1); }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
 
 /// The attention's operand layouts the rotary rows run on (decoder_checks.cpp, rotary_inputs, says what each
 /// is).

@@ -133,11 +133,10 @@ void gemm_bcast_short_reductions_match_small_calls(const Case& c) {
 // parked between blocks; each run within the float64 bound and nothing written past column N.
 void gemm_bcast_independent_of_block_length(const Case& c) {
   const char* name = "KERNMAP_PREFETCH_STREAMS";
-  const char* old = std::getenv(name);
-  const std::string saved = old ? old : "";
+  const ScopedEnv env(name, "0");
   const Operands operands = make_run(c, 7);
   auto run = [&](const char* streams) {
-    setenv(name, streams, 1);
+    env.set(streams);
     Operands r = operands;
     r.c_store = at::full_like(operands.c_store, std::numeric_limits<double>::quiet_NaN());
     call(r, c.dtype, 0, r.M, /*stream=*/false);
@@ -153,10 +152,6 @@ void gemm_bcast_independent_of_block_length(const Case& c) {
         << name << "=" << streams << ": max error " << err.max().item<double>();
     EXPECT_TRUE(capped.c_store.slice(1, capped.N).isnan().all().item<bool>());
   }
-  if (old)
-    setenv(name, saved.c_str(), 1);
-  else
-    unsetenv(name);
 }
 
 // The weight gradients' task sizes (gemm_bcast_task_rows) at this level: at least one row of C, at most 512
@@ -179,15 +174,13 @@ void gemm_bcast_task_rows_bound_their_scratch(const Case& c) {
   // Capped by the L2 streamer's streams (here 8: 32 KiB of pages), a task takes no more rows than without,
   // and where the cap applies (the levels' plain-store orders) its rows cross at most 8 pages or are one
   // register block.
-  const char* name = "KERNMAP_PREFETCH_STREAMS";
-  const char* old = std::getenv(name);
-  const std::string saved = old ? old : "";
+  const ScopedEnv env("KERNMAP_PREFETCH_STREAMS", "0");
   const int64_t es = static_cast<int64_t>(c10::elementSize(c.dtype));
   for (int64_t steps : {16, 1100})
     for (int64_t cols : {40, 1536, 3000}) {
-      setenv(name, "0", 1);
+      env.set("0");
       const int64_t uncapped = kernmap::cpu::kernel_table().gemm_bcast_task_rows(dt, steps, cols);
-      setenv(name, "8", 1);
+      env.set("8");
       const int64_t capped = kernmap::cpu::kernel_table().gemm_bcast_task_rows(dt, steps, cols);
       EXPECT_GE(capped, 1);
       EXPECT_LE(capped, uncapped) << steps << " steps, " << cols << " columns";
@@ -195,10 +188,6 @@ void gemm_bcast_task_rows_bound_their_scratch(const Case& c) {
                   capped <= 6)
           << capped << " rows at " << steps << " steps, " << cols << " columns";
     }
-  if (old)
-    setenv(name, saved.c_str(), 1);
-  else
-    unsetenv(name);
 }
 
 }  // namespace kernmap::testing

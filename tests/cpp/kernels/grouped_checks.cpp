@@ -139,6 +139,12 @@ void grouped_mm_same_bits_at_any_thread_count(const Case& c) {
   at::set_num_threads(previous);
   EXPECT_TRUE(at::equal(out[0], out[1]));
   EXPECT_TRUE(at::equal(out[0], out[2]));
+  // With and without the software fetch of the next block of weight rows (KERNMAP_PREFETCH_STREAMS 0:
+  // fetched).
+  const ScopedEnv env("KERNMAP_PREFETCH_STREAMS", "0");
+  EXPECT_TRUE(at::equal(out[0], kernmap::grouped_mm(a, W.transpose(1, 2), offs)));
+  env.set("32");
+  EXPECT_TRUE(at::equal(out[0], kernmap::grouped_mm(a, W.transpose(1, 2), offs)));
 }
 
 namespace {
@@ -191,19 +197,13 @@ void grouped_mm_backward_within_float64_bound_and_thread_count_free(const Case& 
   // The L2 streamer's streams (KERNMAP_PREFETCH_STREAMS) cap the reduction blocks and, where the weight
   // gradient's stores are plain, its tasks' rows: none (0) and 8 give the same bits.
   {
-    const char* name = "KERNMAP_PREFETCH_STREAMS";
-    const char* old = std::getenv(name);
-    const std::string saved = old ? old : "";
+    const ScopedEnv env("KERNMAP_PREFETCH_STREAMS", "0");
     for (const char* streams : {"0", "8"}) {
-      setenv(name, streams, 1);
+      env.set(streams);
       const auto [ga, gb] = gradients(2);
-      EXPECT_TRUE(at::equal(ga1, ga)) << name << "=" << streams;
-      EXPECT_TRUE(at::equal(gb1, gb)) << name << "=" << streams;
+      EXPECT_TRUE(at::equal(ga1, ga)) << "KERNMAP_PREFETCH_STREAMS=" << streams;
+      EXPECT_TRUE(at::equal(gb1, gb)) << "KERNMAP_PREFETCH_STREAMS=" << streams;
     }
-    if (old)
-      setenv(name, saved.c_str(), 1);
-    else
-      unsetenv(name);
   }
   const at::Tensor ad = a0.to(at::kDouble), bd = b0.to(at::kDouble), gd = grad.to(at::kDouble);
   at::Tensor want_a = at::zeros({T, K}, at::kDouble), want_b = at::zeros({E, K, N}, at::kDouble);

@@ -138,8 +138,7 @@ void the_cache_reader_reads_sysfs(const Case&) {
   // value.
   {
     const char* name = "KERNMAP_PREFETCH_STREAMS";
-    const char* old = std::getenv(name);
-    const std::string saved = old ? old : "";
+    const ScopedEnv env(name, "");
     unsetenv(name);
     const int64_t cpu = kernmap::cpu::prefetch_streams();
     EXPECT_TRUE(cpu == 0 || cpu == 32) << cpu;
@@ -159,10 +158,6 @@ void the_cache_reader_reads_sysfs(const Case&) {
         EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos) << e.what();
       }
     }
-    if (old)
-      setenv(name, saved.c_str(), 1);
-    else
-      unsetenv(name);
   }
 
   const kernmap::CpuCaches pub = kernmap::cpu_caches();

@@ -20,31 +20,14 @@
 #include "tests/cpp/kernels/checks.h"
 
 namespace kernmap::testing {
-namespace {
-
-// Sets an environment variable read by every linear_cross_entropy call (the rows per chunk, the classes per
-// block) for the check's lifetime.
-class EnvSetting {
- public:
-  EnvSetting(const char* name, int64_t value) : name_(name) {
-    setenv(name, std::to_string(value).c_str(), 1);
-  }
-  ~EnvSetting() { unsetenv(name_); }
-  EnvSetting(const EnvSetting&) = delete;
-  EnvSetting& operator=(const EnvSetting&) = delete;
-
- private:
-  const char* name_;
-};
-
-}  // namespace
+namespace {}  // namespace
 
 void linear_cross_entropy_matches_reference(const Case& c) {
   const int64_t N = c["N"], H = c["H"], V = c["V"];
   const bool with_bias = c.layout == "bias";
-  const EnvSetting rows("KERNMAP_LCE_CHUNK_ROWS", c["chunk"]);
-  std::optional<EnvSetting> classes;
-  if (c["block"] > 0) classes.emplace("KERNMAP_LCE_VOCAB_BLOCK", c["block"]);
+  const ScopedEnv rows("KERNMAP_LCE_CHUNK_ROWS", std::to_string(c["chunk"]));
+  std::optional<ScopedEnv> classes;
+  if (c["block"] > 0) classes.emplace("KERNMAP_LCE_VOCAB_BLOCK", std::to_string(c["block"]));
   const at::Tensor h0 = randn({N, H}, c.dtype);
   const at::Tensor w0 = (at::randn({V, H}, at::kDouble) * (2 / std::sqrt(double(H)))).to(c.dtype);
   const at::Tensor b0 = randn({V}, c.dtype);
@@ -76,8 +59,8 @@ void linear_cross_entropy_matches_reference(const Case& c) {
   classes.reset();
   for (const int64_t block : {int64_t{16}, int64_t{0}}) {
     SCOPED_TRACE("classes per block " + std::to_string(block));
-    std::optional<EnvSetting> set;
-    if (block) set.emplace("KERNMAP_LCE_VOCAB_BLOCK", block);
+    std::optional<ScopedEnv> set;
+    if (block) set.emplace("KERNMAP_LCE_VOCAB_BLOCK", std::to_string(block));
     const at::Tensor l = kernmap::linear_cross_entropy(
         h0, w0, labels, with_bias ? std::optional<at::Tensor>(b0) : std::nullopt);
     EXPECT_EQ(l.scalar_type(), acc_of(c.dtype));
