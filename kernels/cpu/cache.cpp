@@ -182,4 +182,3 @@ std::string cpu_model() {
 }
 
 }  // namespace kernmap::cpu
-extern "C" __attribute__((visibility("default"))) int kernmap_exp_mode = 0;  // EXPERIMENT
