@@ -117,12 +117,12 @@ constexpr int kRows = 16, kVectorRegisters = 16;
 // The rows past the last whole 8-row group that go to the dot-product blocks (kDotRows).
 constexpr int kTailLanes = 8;
 // Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
-// block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2 — the latter only
-// where the L2 streamer's stream count is unknown (`fetch_next`: prefetch_streams() == 0,
-// kernels/cpu/cache.h). Where it is known (Intel: 32) the streamer follows a block's kBlockCols rows on its
-// own, and the software fetches beside it made the fp32 forward slower: gate_up at 16 rows a group, 2
-// threads, an Intel Xeon, avx512 87.2 -> 74.9 ms without them, avx2 106.0 -> 93.8 (docs/performance.md,
-// "Reduction blocks within the L2 streamer's streams").
+// block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2 — the latter where
+// fetch_next_block says (below). Where the L2 streamer's stream count is known (prefetch_streams,
+// kernels/cpu/cache.h; Intel: 32) it follows a block's kBlockCols rows of more than a page on its own, and
+// the software fetches beside it made the fp32 forward slower: gate_up at 16 rows a group, 2 threads, an
+// Intel Xeon, avx512 87.2 -> 74.9 ms without them, avx2 106.0 -> 93.8 (docs/performance.md, "Reduction
+// blocks within the L2 streamer's streams").
 constexpr int kPrefetchBytes = 256;
 
 // Whether the blocks fetch the next block of B's rows into L2 by software: where the L2 streamer's streams
