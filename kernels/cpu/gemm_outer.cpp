@@ -133,14 +133,18 @@ static_assert(kMinBlockSteps <= kMaxBlockSteps);
 // floor. On an Intel Xeon (2 MiB L2), `grad @ W` of 16-row groups at avx2, rows 8 KiB apart, took 318 ms in
 // 128-step blocks, 287 in 48, 218 in 40 and 135-139 in 16-32; rows 3 KiB apart (down_proj) 117-121 in 64-168,
 // 58-65 in 32-48 (docs/performance.md, "Reduction blocks within the L2 streamer's streams"). A multiple of 8.
+// The rows `ld_bytes` apart that cross at most prefetch_streams() pages at one column; 0 where that count is
+// unknown (no cap).
+int64_t rows_within_streams(int64_t ld_bytes) {
+  return prefetch_streams() * 4096 / std::clamp<int64_t>(ld_bytes, 1, 4096);
+}
+
 int64_t reduction_block_steps(int64_t row_bytes, int64_t ld_bytes) {
   const int64_t by_l2 =
       std::clamp<int64_t>(kBlockL2Quarters * l2_block_bytes() / std::max<int64_t>(1, row_bytes) / 8 * 8,
                           kMinBlockSteps, kMaxBlockSteps);
-  const int64_t streams = prefetch_streams();
-  if (streams <= 0) return by_l2;
-  const int64_t rows = streams * 4096 / std::clamp<int64_t>(ld_bytes, 1, 4096);
-  return std::min(by_l2, std::max<int64_t>(8, rows / 8 * 8));
+  const int64_t rows = rows_within_streams(ld_bytes);
+  return rows > 0 ? std::min(by_l2, std::max<int64_t>(8, rows / 8 * 8)) : by_l2;
 }
 
 // bf16 (dot-product instruction): a short reduction's panels (the weight gradients of small groups) are
@@ -830,6 +834,10 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // gradient checks) in one pass. The sums are the same either way: each element adds its products in order
   // of p.
   const int64_t block_p = reduction_block_steps(Nw * int64_t(sizeof(T)), ldb * int64_t(sizeof(T)));
+  // At the AVX-512 levels the next reduction block is fetched by software (below), except where the blocks
+  // are within the L2 streamer's streams (prefetch_streams): it fetches them, and the software fetches beside
+  // it made the blocks slower (an Intel Xeon, 32-step blocks: 104-106 against 90-92 ms).
+  const bool fetch_next = kFetchNextBlock && prefetch_streams() == 0;
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
 #if defined(__AVX512BF16__)
   constexpr bool kDp = std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64;
@@ -1035,10 +1043,8 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
     const bool resume = p0 > 0, park = p0 + pn < P;
     // At the AVX-512 levels (kFetchNextBlock), while this reduction block is computed, the next one is
     // fetched in memory order (whole rows of the column range, which the hardware handles far better than the
-    // panel order of the computation), spread evenly over the block's register-block calls — except where
-    // the blocks are within the L2 streamer's streams (prefetch_streams): it fetches them, and the software
-    // fetches beside it made the blocks slower (an Intel Xeon, 32-step blocks: 104-106 against 90-92 ms).
-    const Fetch next = park && kFetchNextBlock && prefetch_streams() == 0
+    // panel order of the computation), spread evenly over the block's register-block calls (`fetch_next`).
+    const Fetch next = park && fetch_next
                            ? Fetch::rows_of(B + (p0 + pn) * ldb, ldb * int64_t(sizeof(T)),
                                             Nw * int64_t(sizeof(T)), std::min(step_p, P - p0 - pn))
                            : Fetch{};
@@ -1218,12 +1224,10 @@ int64_t gemm_bcast_task_rows(DType dtype, int64_t steps, int64_t cols) {
     // blocks (reduction_block_steps has the rule). An Intel Xeon, gate_up's weight gradient at 16 rows a
     // group, 2 threads: bf16 at avx2 332 ms in 512-row tasks, 318 in 64, 125 in 32; fp32 at baseline 678 ->
     // 278 in 32 (docs/performance.md, "Reduction blocks within the L2 streamer's streams").
-    constexpr bool plain = !kBcastWholeLines<T> || (kBf16RowsOuter && bf16);
-    const int64_t streams = prefetch_streams();
-    if (plain && (!kBf16RowsOuter || !bf16 || short_steps) && streams > 0) {
-      const int64_t within = streams * 4096 / std::clamp<int64_t>(cols * es, 1, 4096);
+    constexpr bool plain = !kBcastWholeLines<T>;
+    const int64_t within = rows_within_streams(cols * es);
+    if (plain && (!kBf16RowsOuter || !bf16 || short_steps) && within > 0)
       rows = std::min(rows, std::max<int64_t>(kBcastRows, within / kBcastRows * kBcastRows));
-    }
   });
   return rows;
 }
