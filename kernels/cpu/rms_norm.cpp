@@ -366,17 +366,87 @@ inline V round_grad(V v) {
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
 // With Add (the fused residual add's backward), the residual stream's gradient joins as eager's autograd
 // accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's) and parks
-// g in the thread's row buffer for the second (bf16 below AVX-512: in the pairs' lane order,
-// store_pair_lanes). With bf16 x and dy below AVX-512 the first pass runs in pairs too (kPairedFirstPass).
-// The first pass fetches x and dy kAheadBytes ahead (vec.h, fetch_ahead; past the row's end into the next
-// row's), the second reads x and g from L1 and fetches nothing: asking for the whole next row during the
-// second pass, as the backward did until 2026-12-06, ran slower than no prefetch at all on xeon-amx-vm (fp32
-// [4096, 3584], 2 threads, inputs in its 480 MiB L3: 5.0-6.1 ms next row, 4.4-5.2 none, 4.2-4.9 ahead; bf16
-// 2.9 -> 2.4-2.5 at avx512bf16); from memory, fwd+bwd fp32 1.10-1.13x faster at every level, bf16 1.02-1.08x
-// (docs/performance.md, "Inputs fetched ahead").
+// g in the thread's row buffer for the second. The first pass fetches x and dy kAheadBytes ahead (vec.h,
+// fetch_ahead; past the row's end into the next row's), the second reads x and g from the cache and fetches
+// nothing: asking for the whole next row during the second pass, as the backward did until 2026-12-06, ran
+// slower than no prefetch at all on xeon-amx-vm (fp32 [4096, 3584], 2 threads, inputs in its 480 MiB L3:
+// 5.0-6.1 ms next row, 4.4-5.2 none, 4.2-4.9 ahead; bf16 2.9 -> 2.4-2.5 at avx512bf16); from memory, fwd+bwd
+// fp32 1.10-1.13x faster at every level, bf16 1.02-1.08x (docs/performance.md, "Inputs fetched ahead").
+// One row's pointers.
+template <bool Add, class X, class Y>
+struct BwdRow {
+  const Y* dy;
+  const X* d_sum;  // Add only
+  const X* x;
+  X* dx;
+};
+
+// rstd is an input of the backward ops: a NaN of any payload becomes the default NaN, whose low bits the
+// arithmetic roundings of its products (round_grad, the residual's dx) cannot carry out of.
+template <class A>
+inline A bwd_rstd(A r) {
+  return r == r ? r : std::numeric_limits<A>::quiet_NaN();
+}
+
+// Block i of the first pass: adds g * h into a and dy * round_X(h * r) into dw; returns g.
+template <bool Add, class X, class Y, class A, class V = Vec<A>>
+__attribute__((always_inline)) inline V bwd_first_block(const BwdRow<Add, X, Y>& row, const A* w, A rs, A* dw,
+                                                        int64_t i, V& a) {
+  if constexpr (Add) prefetch(row.d_sum + i);
+  fetch_ahead(row.x + i);
+  fetch_ahead(row.dy + i);
+  V h = load<A>(row.x + i);
+  V d = load<A>(row.dy + i);
+  const V g = round_grad<X, Y>(d * load<A>(w + i));
+  a = madd(g, h, a);
+  store(dw + i, madd(d, round_grad<X, Y>(h * rs), load<A>(dw + i)));
+  return g;
+}
+
+// The first pass's columns past the last block (from Hb): adds into dot and dw, g into grow.
+template <bool Add, class X, class Y, class A>
+inline A bwd_first_tail(const BwdRow<Add, X, Y>& row, const A* w, A rs, A* dw, A* grow, int64_t Hb, int64_t H,
+                        A dot) {
+  for (int64_t i = Hb; i < H; ++i) {
+    A h = to_acc<A>(row.x[i]);
+    A d = to_acc<A>(row.dy[i]);
+    A g = round_to<X>(d * w[i]);
+    dot = madd(g, h, dot);
+    dw[i] = madd(d, round_to<X>(h * rs), dw[i]);
+    grow[i] = g;
+  }
+  return dot;
+}
+
+// Block i of the second pass (c = r^3 * sum(g * h) / H): dx = r * g - c * h (plus d_sum with Add).
+template <bool Add, bool Stream, class X, class Y, class A, class V = Vec<A>>
+__attribute__((always_inline)) inline void bwd_second_block(const BwdRow<Add, X, Y>& row, const A* grow, A c,
+                                                            A rs, int64_t i) {
+  V h = load<A>(row.x + i);
+  V g = load<A>(grow + i);
+  if constexpr (Add) {  // c, h, r and g hold X values or the default NaN: round_block_arith
+    store_out<Stream>(row.dx + i, round_block_arith<X>(nmadd(V{} + c, h, rs * g)) + load<A>(row.d_sum + i));
+  } else {
+    store_out<Stream>(row.dx + i, nmadd(V{} + c, h, rs * g));
+  }
+}
+
+// The second pass's columns from `from` on, one at a time.
+template <bool Add, class X, class Y, class A>
+inline void bwd_second_tail(const BwdRow<Add, X, Y>& row, const A* grow, A c, A rs, int64_t from, int64_t H) {
+  for (int64_t i = from; i < H; ++i) {
+    A v = nmadd(c, to_acc<A>(row.x[i]), rs * grow[i]);
+    if constexpr (Add) v = round_to<X>(v) + to_acc<A>(row.d_sum[i]);
+    row.dx[i] = from_acc<X>(v);
+  }
+}
+
+// The rows one after the other: bf16 below AVX-512 (kPairedBf16), where g is parked in the pairs' lane order
+// (store_pair_lanes), and with bf16 x and dy the first pass runs in pairs too (kPairedFirstPass).
 template <bool Add, bool Stream, class X, class Y>
-void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
-              const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
+void bwd_rows_in_turn(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
+                      const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1,
+                      int64_t H) {
   using A = Acc<X>;
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
@@ -391,22 +461,14 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     swap_row_pair_lanes(dw, Hg);
   }
   for (int64_t r = r0; r < r1; ++r) {
-    const Y* dyr = dy + r * dys;
-    const X* dsr = Add ? d_sum + r * d_sum_s : nullptr;
-    const X* xr = x + r * xs;
-    X* dxr = dx + r * H;
-    // rstd is an input of the backward ops: a NaN of any payload becomes the default NaN, whose low bits the
-    // arithmetic roundings of its products (round_grad, the residual's dx) cannot carry out of.
-    const A rs = rstd[r] == rstd[r] ? rstd[r] : std::numeric_limits<A>::quiet_NaN();
+    const BwdRow<Add, X, Y> row{dy + r * dys, Add ? d_sum + r * d_sum_s : nullptr, x + r * xs, dx + r * H};
+    const Y* dyr = row.dy;
+    const X* dsr = row.d_sum;
+    const X* xr = row.x;
+    X* dxr = row.dx;
+    const A rs = bwd_rstd(rstd[r]);
     const auto step = [&](int64_t i, V& a) {
-      if constexpr (Add) prefetch(dsr + i);
-      fetch_ahead(xr + i);
-      fetch_ahead(dyr + i);
-      V h = load<A>(xr + i);
-      V d = load<A>(dyr + i);
-      const V g = round_grad<X, Y>(d * load<A>(w + i));
-      a = madd(g, h, a);
-      store(dw + i, madd(d, round_grad<X, Y>(h * rs), load<A>(dw + i)));
+      const V g = bwd_first_block<Add, X, Y>(row, w, rs, dw, i, a);
       if constexpr (kPairedBf16<X>) {
         if (i < Hp) return store_pair_lanes(grow, i, g);
       }
@@ -436,15 +498,7 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
     } else {
       acc = accumulate_blocks<V>(Hb, step);
     }
-    A dot = lane_sum(acc);
-    for (int64_t i = Hb; i < H; ++i) {
-      A h = to_acc<A>(xr[i]);
-      A d = to_acc<A>(dyr[i]);
-      A g = round_to<X>(d * w[i]);
-      dot = madd(g, h, dot);
-      dw[i] = madd(d, round_to<X>(h * rs), dw[i]);
-      grow[i] = g;
-    }
+    const A dot = bwd_first_tail(row, w, rs, dw, grow, Hb, H, lane_sum(acc));
     const A c = rs * rs * rs * dot / static_cast<A>(H);
     int64_t i = 0;
     if constexpr (kPairedBf16<X>) {
@@ -460,23 +514,63 @@ void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X
         store_bf16_pair<Stream>(dxr + p, v[0], v[1]);
       });
     }
-    for (; i < Hb; i += kBlock) {
-      V h = load<A>(xr + i);
-      V g = load<A>(grow + i);
-      if constexpr (Add) {  // c, h, r and g hold X values or the default NaN: round_block_arith
-        store_out<Stream>(dxr + i, round_block_arith<X>(nmadd(V{} + c, h, rs * g)) + load<A>(dsr + i));
-      } else {
-        store_out<Stream>(dxr + i, nmadd(V{} + c, h, rs * g));
-      }
-    }
-    for (int64_t i = Hb; i < H; ++i) {
-      A v = nmadd(c, to_acc<A>(xr[i]), rs * grow[i]);
-      if constexpr (Add) v = round_to<X>(v) + to_acc<A>(dsr[i]);
-      dxr[i] = from_acc<X>(v);
-    }
+    for (; i < Hb; i += kBlock) bwd_second_block<Add, Stream>(row, grow, c, rs, i);
+    bwd_second_tail(row, grow, c, rs, Hb, H);
   }
   if constexpr (kPairedFirstPass<X, Y>) {
     swap_row_pair_lanes(dw, Hg);
+  }
+}
+
+// The other types' rows pipelined: row r's first pass (from memory) and row r - 1's second (x and g from
+// the cache) block by block in one loop, g of the two rows in two row buffers, so that memory sees the reads
+// and the streamed writes at every moment, as in a copy, where one row after the other alternated a read
+// phase (x and dy) with a write phase (dx). Each row's sums and dw's are taken in the same order as one row
+// after the other: the same bits. xeon-amx-vm, [4096, 3584], 2 threads, `kernmap bench ops`, alternated:
+// fp32 fwd+bwd 7.6-8.4 -> 7.4-7.7 ms at every level from avx2 up, the fused add's 12.4-12.8 -> 11.8-12.1
+// (docs/performance.md, "RMSNorm's backward rows pipelined").
+template <bool Add, bool Stream, class X, class Y>
+void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
+                    const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1,
+                    int64_t H) {
+  using A = Acc<X>;
+  using V = Vec<A>;
+  const int64_t Hb = H - H % kBlock;
+  A* grows = row_scratch<A>(2 * H);
+  auto row_at = [&](int64_t r) {
+    return BwdRow<Add, X, Y>{dy + r * dys, Add ? d_sum + r * d_sum_s : nullptr, x + r * xs, dx + r * H};
+  };
+  A prev_c = 0, prev_rs = 0;  // row r - 1's second-pass factors
+  for (int64_t r = r0; r <= r1; ++r) {
+    const bool first = r<r1, second = r> r0;
+    A* grow = grows + (r - r0) % 2 * H;
+    const A* prev_grow = grows + (r - r0 + 1) % 2 * H;
+    const BwdRow<Add, X, Y> prev = row_at(second ? r - 1 : r);
+    const A c = prev_c, prev_r = prev_rs;
+    if (first) {
+      const BwdRow<Add, X, Y> row = row_at(r);
+      const A rs = bwd_rstd(rstd[r]);
+      const V acc = accumulate_blocks<V>(Hb, [&](int64_t i, V& a) {
+        store(grow + i, bwd_first_block<Add, X, Y>(row, w, rs, dw, i, a));
+        if (second) bwd_second_block<Add, Stream>(prev, prev_grow, c, prev_r, i);
+      });
+      const A dot = bwd_first_tail(row, w, rs, dw, grow, Hb, H, lane_sum(acc));
+      prev_c = rs * rs * rs * dot / static_cast<A>(H);
+      prev_rs = rs;
+    } else if (second) {
+      for (int64_t i = 0; i < Hb; i += kBlock) bwd_second_block<Add, Stream>(prev, prev_grow, c, prev_r, i);
+    }
+    if (second) bwd_second_tail(prev, prev_grow, c, prev_r, Hb, H);
+  }
+}
+
+template <bool Add, bool Stream, class X, class Y>
+void bwd_rows(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
+              const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1, int64_t H) {
+  if constexpr (kPairedBf16<X>) {
+    bwd_rows_in_turn<Add, Stream, X, Y>(dy, dys, d_sum, d_sum_s, x, xs, w, rstd, dx, dw, r0, r1, H);
+  } else {
+    bwd_rows_piped<Add, Stream, X, Y>(dy, dys, d_sum, d_sum_s, x, xs, w, rstd, dx, dw, r0, r1, H);
   }
 }
 

@@ -17,6 +17,12 @@ std::vector<Shape> concat(std::vector<Shape> a, const std::vector<Shape>& b) {
   return a;
 }
 
+// RMSNorm's shapes: 6 rows (one a backward call: the op splits the rows into kWeightGradBlocks blocks), and
+// 70 rows, two or three a call, whose backward pipelines each row's second pass with the next row's first
+// (kernels/cpu/rms_norm.cpp, bwd_rows_piped).
+const std::vector<Shape> kNormShapes =
+    concat(grid({{"rows", {6}}, {"H", kOddSizes}}), grid({{"rows", {70}}, {"H", {7, 769}}}));
+
 // rms_norm with the weight in `weight_dtype` (Undefined: x's dtype).
 void rms_norm_matches_reference(const Case& c, at::ScalarType weight_dtype) {
   const int64_t H = c["H"];
@@ -167,7 +173,7 @@ const std::vector<Row>& kernel_table() {
   static const std::vector<Row> rows = {
       // ---- RMSNorm, the SiLU family: the op against its reference, forward and backward ----
       {.op = "rms_norm",
-       .shapes = grid({{"rows", {6}}, {"H", kOddSizes}}),
+       .shapes = kNormShapes,
        .layouts = kRowLayouts,
        .check = [](const Case& c) { rms_norm_matches_reference(c, at::ScalarType::Undefined); }},
       // An fp32 weight with 16-bit x: the output is fp32 (the transformers quirk), rounded to x's dtype
@@ -253,7 +259,7 @@ const std::vector<Row>& kernel_table() {
       {.op = "empty_inputs", .shapes = {Shape{}}, .layouts = {""}, .check = empty_inputs},
       // ---- the residual add fused with RMSNorm: against its reference, then properties ----
       {.op = "add_rms_norm",
-       .shapes = grid({{"rows", {6}}, {"H", kOddSizes}}),
+       .shapes = kNormShapes,
        .layouts = kRowLayouts,
        .check = [](const Case& c) { add_rms_norm_matches_reference(c, at::ScalarType::Undefined); }},
       {.op = "add_rms_norm_fp32_weight",
