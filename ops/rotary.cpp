@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/cpu/cache.h"
 #include "kernels/cpu/isa.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
@@ -83,6 +84,46 @@ struct Walk {
   Tensor x, cos, sin;
 };
 
+// Where the walk goes through a dimension that cos and sin are broadcast over (the heads) before the
+// positions, and the positions' rows of cos and sin pass the level-2 rule's bytes (kernels/cpu/cache.h,
+// l2_block_bytes): the positions in blocks that fit it, each block walked head by head ([H, S] becomes
+// [S / P, H, P]), so that cos and sin are read from memory once rather than once a head. That is the order of
+// a contiguous x ([B, H, S, D]: the backward's gradient from torch's CPU SDPA, or a contiguous q). P divides
+// the positions, at least kMinBlockPositions of them (else the walk stays as it is). The same rows with the
+// same math in another order: the same bits.
+constexpr int64_t kMinBlockPositions = 16;
+void block_positions(cpu::RotaryRows& r, int64_t elem_size) {
+  const int64_t budget = cpu::l2_block_bytes(), row_bytes = 2 * r.D * elem_size;
+  for (int i = 0; i + 1 < r.ndim && r.ndim < cpu::RotaryRows::kMaxDims; ++i) {
+    const int j = i + 1;
+    if (r.cos_strides[i] != 0 || r.sin_strides[i] != 0 || (r.cos_strides[j] == 0 && r.sin_strides[j] == 0))
+      continue;
+    const int64_t n = r.sizes[j];
+    if (n * row_bytes <= budget) continue;
+    int64_t p = std::max<int64_t>(1, budget / row_bytes);
+    while (p > 1 && n % p != 0) --p;
+    if (p < kMinBlockPositions) continue;
+    int64_t* strides[4] = {r.x_strides, r.cos_strides, r.sin_strides, r.y_strides};
+    for (int d = r.ndim; d > j; --d) {
+      r.sizes[d] = r.sizes[d - 1];
+      for (int64_t* st : strides) st[d] = st[d - 1];
+    }
+    ++r.ndim;
+    // i: the positions' blocks, i + 1: the heads, i + 2: the positions of a block.
+    const int64_t heads = r.sizes[i];
+    r.sizes[i] = n / p;
+    r.sizes[i + 1] = heads;
+    r.sizes[i + 2] = p;
+    for (int64_t* st : strides) {
+      const int64_t head_stride = st[i], pos_stride = st[i + 2];
+      st[i] = pos_stride * p;
+      st[i + 1] = head_stride;
+      st[i + 2] = pos_stride;
+    }
+    return;
+  }
+}
+
 Walk make_walk(const Tensor& x0, const Tensor& cos_u, const Tensor& sin_u, const Tensor& y) {
   Walk w;
   const at::ScalarType dt = y.scalar_type();
@@ -112,6 +153,7 @@ Walk make_walk(const Tensor& x0, const Tensor& cos_u, const Tensor& sin_u, const
     for (int t = 0; t < 4; ++t) strides[t][r.ndim] = tensors[t]->stride(d);
     ++r.ndim;
   }
+  block_positions(r, y.element_size());
   r.x = w.x.const_data_ptr();
   r.cos = w.cos.const_data_ptr();
   r.sin = w.sin.const_data_ptr();

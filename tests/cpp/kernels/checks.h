@@ -84,6 +84,9 @@ void experts_same_bits_at_any_thread_count(const Case& c);
 // decoder_checks.cpp: the rotary embedding and the residual add fused with RMSNorm.
 /// Sizes D; layouts kRotaryLayouts.
 void rotary_has_the_eager_bits_and_float64_bound(const Case& c);
+/// Sizes D; layouts with cos and sin broadcast over the heads and the positions walked after them: more
+/// positions than one block of cos and sin holds (ops/rotary.cpp, block_positions).
+void rotary_positions_in_blocks(const Case& c);
 void rotary_gives_cos_and_sin_gradients(const Case& c);
 /// Sizes D; layouts "aligned", "offset1" (outputs one element into a fresh block), "shared_cos" (cos and sin
 /// shared by consecutive rows).

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/cpu/cache.h"
 #include "kernels/cpu/isa.h"
 #include "kernmap/ops.h"
 #include "ops/checks.h"
@@ -77,8 +78,8 @@ struct RotaryInputs {
 // attention's); "contiguous" [B, heads, S, D]; "bshd_unsqueeze2", [B, S, heads, D] with unsqueeze_dim 2;
 // "fused_qkv", slices of one fused qkv projection; "per_batch_positions", cos and sin [B, S, D]; "sd_cos",
 // [S, D] cos and sin with unsqueeze_dim 0; "strided_cos", cos and sin slices of wider rows.
-RotaryInputs rotary_inputs(const std::string& layout, int64_t D, at::ScalarType dt) {
-  const int64_t B = 2, S = 5, H = 3, KV = 1;
+RotaryInputs rotary_inputs(const std::string& layout, int64_t D, at::ScalarType dt, int64_t S = 5) {
+  const int64_t B = 2, H = 3, KV = 1;
   const at::Tensor cos = randn({1, S, D}, dt), sin = randn({1, S, D}, dt);
   if (layout == "attention_views")
     return {randn({B, S, H, D}, dt).transpose(1, 2), randn({B, S, KV, D}, dt).transpose(1, 2), cos, sin, 1};
@@ -101,8 +102,9 @@ RotaryInputs rotary_inputs(const std::string& layout, int64_t D, at::ScalarType 
 
 }  // namespace
 
-void rotary_has_the_eager_bits_and_float64_bound(const Case& c) {
-  const RotaryInputs in = rotary_inputs(c.layout, c["D"], c.dtype);
+// The forward and backward of `in` against the eager math: bit for bit, eager's layouts, within the float64
+// bound, and the backward from gradients in either layout.
+void expect_eager_rotary(const Case& c, const RotaryInputs& in) {
   at::Tensor q = in.q.detach().requires_grad_(true), k = in.k.detach().requires_grad_(true);
   at::Tensor qr = in.q.detach().requires_grad_(true), kr = in.k.detach().requires_grad_(true);
   auto [qe, ke] = kernmap::apply_rotary(q, k, in.cos, in.sin, in.dim);
@@ -144,6 +146,17 @@ void rotary_has_the_eager_bits_and_float64_bound(const Case& c) {
   EXPECT_TRUE(same_bits(q2.grad(), q.grad())) << "the gradient of q, from a gradient in q_embed's layout";
   EXPECT_TRUE(same_bits(k2.grad(), k.grad())) << "the gradient of k, from a gradient in k_embed's layout";
   EXPECT_TRUE(same_layout(q2.grad(), q.grad())) << "the gradient of q";
+}
+
+void rotary_has_the_eager_bits_and_float64_bound(const Case& c) {
+  expect_eager_rotary(c, rotary_inputs(c.layout, c["D"], c.dtype));
+}
+
+void rotary_positions_in_blocks(const Case& c) {
+  // Positions a block of cos and sin (both, in the output's dtype) holds by the level-2 rule; three halves of
+  // that many positions are more than one block, walked in blocks of three quarters of it.
+  const int64_t D = c["D"], block = kernmap::cpu::l2_block_bytes() / (2 * D * at::elementSize(c.dtype));
+  expect_eager_rotary(c, rotary_inputs(c.layout, D, c.dtype, 3 * std::max<int64_t>(16, block / 2)));
 }
 
 // cos and sin that require a gradient (not transformers' case: its rotary embedding runs under no_grad) get
