@@ -526,9 +526,8 @@ void bwd_rows_in_turn(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s,
 // the cache) block by block in one loop, g of the two rows in two row buffers, so that memory sees the reads
 // and the streamed writes at every moment, as in a copy, where one row after the other alternated a read
 // phase (x and dy) with a write phase (dx). Each row's sums and dw's are taken in the same order as one row
-// after the other: the same bits. xeon-amx-vm, [4096, 3584], 2 threads, `kernmap bench ops`, alternated:
-// fp32 fwd+bwd 7.6-8.4 -> 7.4-7.7 ms at every level from avx2 up, the fused add's 12.4-12.8 -> 11.8-12.1
-// (docs/performance.md, "RMSNorm's backward rows pipelined").
+// after the other: the same bits. On an Intel Xeon, fp32 fwd+bwd [4096, 3584] 4-6 % faster from avx2 up
+// (baseline: mixed), the fused add's bf16 8-12 % (docs/performance.md, "RMSNorm's backward rows pipelined").
 template <bool Add, bool Stream, class X, class Y>
 void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
                     const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1,
