@@ -372,6 +372,9 @@ inline V round_grad(V v) {
 // slower than no prefetch at all on xeon-amx-vm (fp32 [4096, 3584], 2 threads, inputs in its 480 MiB L3:
 // 5.0-6.1 ms next row, 4.4-5.2 none, 4.2-4.9 ahead; bf16 2.9 -> 2.4-2.5 at avx512bf16); from memory, fwd+bwd
 // fp32 1.10-1.13x faster at every level, bf16 1.02-1.08x (docs/performance.md, "Inputs fetched ahead").
+// The rows go pipelined (bwd_rows_piped) except bf16 below AVX-512 (bwd_rows_in_turn); both call the block
+// helpers below.
+
 // One row's pointers.
 template <bool Add, class X, class Y>
 struct BwdRow {
