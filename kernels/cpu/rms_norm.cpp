@@ -406,7 +406,7 @@ __attribute__((always_inline)) inline V bwd_first_block(const BwdRow<Add, X, Y>&
   return g;
 }
 
-// The first pass's columns past the last block (from Hb): adds into dot and dw, g into grow.
+// The first pass's columns past the last block (from Hb): adds into dot and dw, g into grow unless null.
 template <bool Add, class X, class Y, class A>
 inline A bwd_first_tail(const BwdRow<Add, X, Y>& row, const A* w, A rs, A* dw, A* grow, int64_t Hb, int64_t H,
                         A dot) {
@@ -416,17 +416,23 @@ inline A bwd_first_tail(const BwdRow<Add, X, Y>& row, const A* w, A rs, A* dw, A
     A g = round_to<X>(d * w[i]);
     dot = madd(g, h, dot);
     dw[i] = madd(d, round_to<X>(h * rs), dw[i]);
-    grow[i] = g;
+    if (grow) grow[i] = g;
   }
   return dot;
 }
 
-// Block i of the second pass (c = r^3 * sum(g * h) / H): dx = r * g - c * h (plus d_sum with Add).
+// g of block i computed again from dy and the weight, as the first pass computed it (the same bits).
+template <bool Add, class X, class Y, class A, class V = Vec<A>>
+__attribute__((always_inline)) inline V bwd_grad(const BwdRow<Add, X, Y>& row, const A* w, int64_t i) {
+  return round_grad<X, Y>(load<A>(row.dy + i) * load<A>(w + i));
+}
+
+// Block i of the second pass (c = r^3 * sum(g * h) / H, g the block's): dx = r * g - c * h (plus d_sum with
+// Add).
 template <bool Add, bool Stream, class X, class Y, class A, class V = Vec<A>>
-__attribute__((always_inline)) inline void bwd_second_block(const BwdRow<Add, X, Y>& row, const A* grow, A c,
-                                                            A rs, int64_t i) {
+__attribute__((always_inline)) inline void bwd_second_block(const BwdRow<Add, X, Y>& row, V g, A c, A rs,
+                                                            int64_t i) {
   V h = load<A>(row.x + i);
-  V g = load<A>(grow + i);
   if constexpr (Add) {  // c, h, r and g hold X values or the default NaN: round_block_arith
     store_out<Stream>(row.dx + i, round_block_arith<X>(nmadd(V{} + c, h, rs * g)) + load<A>(row.d_sum + i));
   } else {
@@ -434,11 +440,14 @@ __attribute__((always_inline)) inline void bwd_second_block(const BwdRow<Add, X,
   }
 }
 
-// The second pass's columns from `from` on, one at a time.
+// The second pass's columns from `from` on, one at a time; g from grow, or computed again from dy and the
+// weight w where grow is null.
 template <bool Add, class X, class Y, class A>
-inline void bwd_second_tail(const BwdRow<Add, X, Y>& row, const A* grow, A c, A rs, int64_t from, int64_t H) {
+inline void bwd_second_tail(const BwdRow<Add, X, Y>& row, const A* grow, const A* w, A c, A rs, int64_t from,
+                            int64_t H) {
   for (int64_t i = from; i < H; ++i) {
-    A v = nmadd(c, to_acc<A>(row.x[i]), rs * grow[i]);
+    const A g = grow ? grow[i] : round_to<X>(to_acc<A>(row.dy[i]) * w[i]);
+    A v = nmadd(c, to_acc<A>(row.x[i]), rs * g);
     if constexpr (Add) v = round_to<X>(v) + to_acc<A>(row.d_sum[i]);
     row.dx[i] = from_acc<X>(v);
   }
@@ -517,20 +526,24 @@ void bwd_rows_in_turn(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s,
         store_bf16_pair<Stream>(dxr + p, v[0], v[1]);
       });
     }
-    for (; i < Hb; i += kBlock) bwd_second_block<Add, Stream>(row, grow, c, rs, i);
-    bwd_second_tail(row, grow, c, rs, Hb, H);
+    for (; i < Hb; i += kBlock) bwd_second_block<Add, Stream>(row, load<A>(grow + i), c, rs, i);
+    bwd_second_tail(row, grow, w, c, rs, Hb, H);
   }
   if constexpr (kPairedFirstPass<X, Y>) {
     swap_row_pair_lanes(dw, Hg);
   }
 }
 
-// The other types' rows pipelined: row r's first pass (from memory) and row r - 1's second (x and g from
-// the cache) block by block in one loop, g of the two rows in two row buffers, so that memory sees the reads
-// and the streamed writes at every moment, as in a copy, where one row after the other alternated a read
-// phase (x and dy) with a write phase (dx). Each row's sums and dw's are taken in the same order as one row
-// after the other: the same bits. On an Intel Xeon, fp32 fwd+bwd [4096, 3584] 4-6 % faster from avx2 up
-// (baseline: mixed), the fused add's bf16 8-12 % (docs/performance.md, "RMSNorm's backward rows pipelined").
+// The other types' rows pipelined: row r's first pass (from memory) and row r - 1's second (x and dy from
+// the cache) block by block in one loop, so that memory sees the reads and the streamed writes at every
+// moment, as in a copy, where one row after the other alternated a read phase (x and dy) with a write phase
+// (dx). Each row's sums and dw's are taken in the same order as one row after the other: the same bits. On
+// an Intel Xeon, fp32 fwd+bwd [4096, 3584] 4-6 % faster from avx2 up (baseline: mixed), the fused add's bf16
+// 8-12 % (docs/performance.md, "RMSNorm's backward rows pipelined"). The second pass computes g = round_X(dy
+// * w) again instead of reading it from a row buffer the first pass filled: the buffer's stores and its two
+// rows (2 x 14 KiB fp32 at H 3584, beside the weight, dw's row and row r - 1's x and dy) cost more than the
+// multiply: the fp32 backward 3-10 % faster at every level, bf16 and the fused add's within the noise
+// (docs/performance.md, "RMSNorm's backward: g computed again").
 template <bool Add, bool Stream, class X, class Y>
 void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, const X* x, int64_t xs,
                     const Acc<X>* w, const Acc<X>* rstd, X* dx, Acc<X>* dw, int64_t r0, int64_t r1,
@@ -538,31 +551,29 @@ void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, c
   using A = Acc<X>;
   using V = Vec<A>;
   const int64_t Hb = H - H % kBlock;
-  A* grows = row_scratch<A>(2 * H);
   auto row_at = [&](int64_t r) {
     return BwdRow<Add, X, Y>{dy + r * dys, Add ? d_sum + r * d_sum_s : nullptr, x + r * xs, dx + r * H};
   };
   A prev_c = 0, prev_rs = 0;  // row r - 1's second-pass factors
   for (int64_t r = r0; r <= r1; ++r) {
     const bool first = r<r1, second = r> r0;
-    A* grow = grows + (r - r0) % 2 * H;
-    const A* prev_grow = grows + (r - r0 + 1) % 2 * H;
     const BwdRow<Add, X, Y> prev = row_at(second ? r - 1 : r);
     const A c = prev_c, prev_r = prev_rs;
     if (first) {
       const BwdRow<Add, X, Y> row = row_at(r);
       const A rs = bwd_rstd(rstd[r]);
       const V acc = accumulate_blocks<V>(Hb, [&](int64_t i, V& a) {
-        store(grow + i, bwd_first_block<Add, X, Y>(row, w, rs, dw, i, a));
-        if (second) bwd_second_block<Add, Stream>(prev, prev_grow, c, prev_r, i);
+        bwd_first_block<Add, X, Y>(row, w, rs, dw, i, a);
+        if (second) bwd_second_block<Add, Stream>(prev, bwd_grad(prev, w, i), c, prev_r, i);
       });
-      const A dot = bwd_first_tail(row, w, rs, dw, grow, Hb, H, lane_sum(acc));
+      const A dot = bwd_first_tail<Add, X, Y, A>(row, w, rs, dw, nullptr, Hb, H, lane_sum(acc));
       prev_c = rs * rs * rs * dot / static_cast<A>(H);
       prev_rs = rs;
     } else if (second) {
-      for (int64_t i = 0; i < Hb; i += kBlock) bwd_second_block<Add, Stream>(prev, prev_grow, c, prev_r, i);
+      for (int64_t i = 0; i < Hb; i += kBlock)
+        bwd_second_block<Add, Stream>(prev, bwd_grad(prev, w, i), c, prev_r, i);
     }
-    if (second) bwd_second_tail(prev, prev_grow, c, prev_r, Hb, H);
+    if (second) bwd_second_tail<Add, X, Y, A>(prev, nullptr, w, c, prev_r, Hb, H);
   }
 }
 
