@@ -365,15 +365,15 @@ inline V round_grad(V v) {
 // Scalar math (g is the gradient reaching round_X(h * r), rounded to X as the eager autograd does):
 //   g = round_X(dy * w); dx = round_X(r * g - r^3 * h * sum(g * h) / H); dw += dy * round_X(h * r)
 // With Add (the fused residual add's backward), the residual stream's gradient joins as eager's autograd
-// accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's) and parks
-// g in the thread's row buffer for the second. The first pass fetches x and dy kAheadBytes ahead (vec.h,
-// fetch_ahead; past the row's end into the next row's), the second reads x and g from the cache and fetches
-// nothing: asking for the whole next row during the second pass, as the backward did until 2026-12-06, ran
-// slower than no prefetch at all on xeon-amx-vm (fp32 [4096, 3584], 2 threads, inputs in its 480 MiB L3:
-// 5.0-6.1 ms next row, 4.4-5.2 none, 4.2-4.9 ahead; bf16 2.9 -> 2.4-2.5 at avx512bf16); from memory, fwd+bwd
-// fp32 1.10-1.13x faster at every level, bf16 1.02-1.08x (docs/performance.md, "Inputs fetched ahead").
-// The rows go pipelined (bwd_rows_piped) except bf16 below AVX-512 (bwd_rows_in_turn); both call the block
-// helpers below.
+// accumulates it: dx = round_X(dx + d_sum). The first pass also accumulates dw (r is the forward's); the
+// second takes g from a row buffer the first filled (bwd_rows_in_turn) or computes it again from dy
+// (bwd_rows_piped). The first pass fetches x and dy kAheadBytes ahead (vec.h, fetch_ahead; past the row's end
+// into the next row's), the second reads x and g (or dy) from the cache and fetches nothing: asking for the
+// whole next row during the second pass, as the backward did until 2026-12-06, ran slower than no prefetch at
+// all on xeon-amx-vm (fp32 [4096, 3584], 2 threads, inputs in its 480 MiB L3: 5.0-6.1 ms next row, 4.4-5.2
+// none, 4.2-4.9 ahead; bf16 2.9 -> 2.4-2.5 at avx512bf16); from memory, fwd+bwd fp32 1.10-1.13x faster at
+// every level, bf16 1.02-1.08x (docs/performance.md, "Inputs fetched ahead"). The rows go pipelined
+// (bwd_rows_piped) except bf16 below AVX-512 (bwd_rows_in_turn); both call the block helpers below.
 
 // One row's pointers.
 template <bool Add, class X, class Y>
