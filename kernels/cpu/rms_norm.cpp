@@ -4,6 +4,7 @@
 // 32 KiB). Compiled with -ffp-contract=off: every multiply-add is an explicit madd/nmadd, so the fused
 // residual add's outputs have the bits of the plain pass's at every level (GCC fused `ss += v * v` in one
 // instantiation and not in the other at avx2).
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -165,9 +166,42 @@ inline const float* q_order(const float* w, int64_t Hb) {
     }
   return buf.data();
 }
+// The backward's bf16 rows at the AVX-512 BF16 levels (x, dy and dx bf16, with the fused residual's d_sum
+// too) in 32-element steps: every operand in the even and odd lanes (load_bf16_eo), the weight and dw's row
+// parked in those lanes for the call (eo_order, eo_row_order), each rounded product kept in its lanes
+// (round_bf16_eo_kept), dx stored by store_bf16_eo. The same values, so the same bits.
+template <class X, class Y>
+inline constexpr bool kEoBackward = std::is_same_v<X, BFloat16>&& std::is_same_v<Y, BFloat16>;
+// A float row's first n elements (n a multiple of 2 kBlock) into the even and odd lanes of load_bf16_eo
+// (each 32-element step's even elements, then its odd ones), or back (to_eo false), in place.
+inline void eo_row_order(float* row, int64_t n, bool to_eo) {
+  float t[2 * kBlock];
+  for (int64_t i = 0; i < n; i += 2 * kBlock) {
+    std::copy(row + i, row + i + 2 * kBlock, t);
+    for (int64_t k = 0; k < kBlock; ++k) {
+      if (to_eo) {
+        row[i + k] = t[2 * k];
+        row[i + kBlock + k] = t[2 * k + 1];
+      } else {
+        row[i + 2 * k] = t[k];
+        row[i + 2 * k + 1] = t[kBlock + k];
+      }
+    }
+  }
+}
+// The weight's first n elements in the even and odd lanes, in the calling thread's buffer.
+inline const float* eo_order(const float* w, int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  std::copy(w, w + n, buf.data());
+  eo_row_order(buf.data(), n, true);
+  return buf.data();
+}
 #else
 template <bool Add, class X, class Y>
 inline constexpr bool kEoForward = false;
+template <class X, class Y>
+inline constexpr bool kEoBackward = false;
 #endif
 
 // The backward's first pass in pairs (accumulate_pairs): bf16 x with dy of its type.
@@ -453,6 +487,51 @@ inline void bwd_second_tail(const BwdRow<Add, X, Y>& row, const A* grow, const A
   }
 }
 
+#if defined(__AVX512BF16__)
+// bwd_first_block for elements p to p + 31 in the even and odd lanes (kEoBackward; we and dw in those lanes):
+// the dot product's sums of the even elements into a0, of the odd ones into a1.
+template <bool Add, class X, class Y>
+__attribute__((always_inline)) inline void bwd_first_eo(const BwdRow<Add, X, Y>& row, const float* we,
+                                                        float rs, float* dw, int64_t p, VF& a0, VF& a1) {
+  if constexpr (Add) prefetch(row.d_sum + p);
+  fetch_ahead(row.x + p);
+  fetch_ahead(row.dy + p);
+  VF h[2], d[2], g[2], n[2];
+  load_bf16_eo(row.x + p, h[0], h[1]);
+  load_bf16_eo(row.dy + p, d[0], d[1]);
+  for (int k = 0; k < 2; ++k) {
+    g[k] = d[k] * load<float>(we + p + k * kBlock);
+    n[k] = h[k] * rs;
+  }
+  round_bf16_eo_kept(g[0], g[1]);
+  round_bf16_eo_kept(n[0], n[1]);
+  a0 = madd(g[0], h[0], a0);
+  a1 = madd(g[1], h[1], a1);
+  for (int k = 0; k < 2; ++k) {
+    float* at = dw + p + k * kBlock;
+    store(at, madd(d[k], n[k], load<float>(at)));
+  }
+}
+// bwd_second_block for elements p to p + 31 in the even and odd lanes, g computed again from dy.
+template <bool Add, bool Stream, class X, class Y>
+__attribute__((always_inline)) inline void bwd_second_eo(const BwdRow<Add, X, Y>& row, const float* we,
+                                                         float c, float rs, int64_t p) {
+  VF h[2], g[2], v[2];
+  load_bf16_eo(row.x + p, h[0], h[1]);
+  load_bf16_eo(row.dy + p, g[0], g[1]);
+  for (int k = 0; k < 2; ++k) g[k] = g[k] * load<float>(we + p + k * kBlock);
+  round_bf16_eo_kept(g[0], g[1]);
+  for (int k = 0; k < 2; ++k) v[k] = nmadd(VF{} + c, h[k], rs * g[k]);
+  if constexpr (Add) {
+    VF ds[2];
+    round_bf16_eo_kept(v[0], v[1]);
+    load_bf16_eo(row.d_sum + p, ds[0], ds[1]);
+    for (int k = 0; k < 2; ++k) v[k] = v[k] + ds[k];
+  }
+  store_bf16_eo<Stream>(row.dx + p, v[0], v[1]);
+}
+#endif
+
 // The rows one after the other: bf16 below AVX-512 (kPairedBf16), where g is parked in the pairs' lane order
 // (store_pair_lanes), and with bf16 x and dy the first pass runs in pairs too (kPairedFirstPass).
 template <bool Add, bool Stream, class X, class Y>
@@ -554,6 +633,16 @@ void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, c
   auto row_at = [&](int64_t r) {
     return BwdRow<Add, X, Y>{dy + r * dys, Add ? d_sum + r * d_sum_s : nullptr, x + r * xs, dx + r * H};
   };
+  // The even and odd lanes (kEoBackward): the weight and dw's row below accumulate_pairs' groups (Hg) in
+  // those lanes for the call, dw put back at its end; the blocks past Hg single, in the row's order.
+  [[maybe_unused]] const int64_t Hg = Hb - Hb % (4 * kBlock);
+  [[maybe_unused]] const A* we = nullptr;
+#if defined(__AVX512BF16__)
+  if constexpr (kEoBackward<X, Y>) {
+    we = eo_order(w, Hg);
+    eo_row_order(dw, Hg, true);
+  }
+#endif
   A prev_c = 0, prev_rs = 0;  // row r - 1's second-pass factors
   for (int64_t r = r0; r <= r1; ++r) {
     const bool first = r<r1, second = r> r0;
@@ -562,10 +651,24 @@ void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, c
     if (first) {
       const BwdRow<Add, X, Y> row = row_at(r);
       const A rs = bwd_rstd(rstd[r]);
-      const V acc = accumulate_blocks<V>(Hb, [&](int64_t i, V& a) {
+      const auto step = [&](int64_t i, V& a) {
         bwd_first_block<Add, X, Y>(row, w, rs, dw, i, a);
         if (second) bwd_second_block<Add, Stream>(prev, bwd_grad(prev, w, i), c, prev_r, i);
-      });
+      };
+      V acc;
+      if constexpr (kEoBackward<X, Y>) {
+#if defined(__AVX512BF16__)
+        acc = accumulate_pairs(
+            Hb,
+            [&](auto p, VF& a0, VF& a1) {
+              bwd_first_eo(row, we, rs, dw, p, a0, a1);
+              if (second) bwd_second_eo<Add, Stream>(prev, we, c, prev_r, p);
+            },
+            step, eo_to_blocks);
+#endif
+      } else {
+        acc = accumulate_blocks<V>(Hb, step);
+      }
       const A dot = bwd_first_tail<Add, X, Y, A>(row, w, rs, dw, nullptr, Hb, H, lane_sum(acc));
       prev_c = rs * rs * rs * dot / static_cast<A>(H);
       prev_rs = rs;
@@ -575,6 +678,9 @@ void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, c
     }
     if (second) bwd_second_tail<Add, X, Y, A>(prev, nullptr, w, c, prev_r, Hb, H);
   }
+#if defined(__AVX512BF16__)
+  if constexpr (kEoBackward<X, Y>) eo_row_order(dw, Hg, false);
+#endif
 }
 
 template <bool Add, bool Stream, class X, class Y>

@@ -382,6 +382,17 @@ inline void round_bf16_eo(VF e, VF o, VF& a, VF& b) {
   a = (VF)_mm512_slli_epi32(c, 16);
   b = (VF)_mm512_and_si512(c, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
 }
+/// e and o rounded to bf16 (round_block's values) and kept in their lanes: the conversion's words put in
+/// memory order, as store_bf16_eo stores them, and widened as load_bf16_eo widens a load (one shuffle where
+/// round_block takes two a block). For rows whose every operand sits in the even and odd lanes (RMSNorm's
+/// backward: a rounded product meets operands loaded by load_bf16_eo).
+inline void round_bf16_eo_kept(VF& e, VF& o) {
+  const __m512i back = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                        22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i u = _mm512_permutexvar_epi16(back, (__m512i)_mm512_cvtne2ps_pbh(o, e));
+  e = (VF)_mm512_slli_epi32(u, 16);
+  o = (VF)_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
 /// lo and hi rounded by one conversion (lo's lanes to words 0-15, hi's to 16-31), the words put in memory
 /// order (element m takes word order[m]) and stored.
 template <bool Stream>

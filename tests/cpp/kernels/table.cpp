@@ -276,7 +276,9 @@ const std::vector<Row>& kernel_table() {
        .layouts = kRowLayouts,
        .check = add_rms_norm_has_the_bits_of_the_add_then_rms_norm},
       {.op = "add_rms_norm_backward_bits",
-       .shapes = {{.sizes = {{"rows", 11}, {"H", 259}}}},
+       // 96 rows: three a weight-gradient block, so the pipelined loop's second pass runs (one row a block
+       // runs the row's passes one after the other); H 1000: 32-element steps, two single blocks, a tail.
+       .shapes = {{.sizes = {{"rows", 11}, {"H", 259}}}, {.sizes = {{"rows", 96}, {"H", 1000}}}},
        .layouts = {""},
        .check = add_rms_norm_backward_is_rms_norm_backward_plus_the_residual_gradient},
       {.op = "rms_norm_backward_rstd_nans",
