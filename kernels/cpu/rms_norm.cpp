@@ -171,7 +171,7 @@ inline const float* q_order(const float* w, int64_t Hb) {
 // parked in those lanes for the call (eo_order, eo_row_order), each rounded product kept in its lanes
 // (round_bf16_eo_kept), dx stored by store_bf16_eo. The same values, so the same bits.
 template <class X, class Y>
-inline constexpr bool kEoBackward = std::is_same_v<X, BFloat16>&& std::is_same_v<Y, BFloat16>;
+inline constexpr bool kEoBackward = (std::is_same_v<X, BFloat16> && std::is_same_v<Y, BFloat16>);
 // A float row's first n elements (n a multiple of 2 kBlock) into the even and odd lanes of load_bf16_eo
 // (each 32-element step's even elements, then its odd ones), or back (to_eo false), in place.
 inline void eo_row_order(float* row, int64_t n, bool to_eo) {
