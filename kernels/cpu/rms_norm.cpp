@@ -143,15 +143,6 @@ inline constexpr bool kPairedBf16 = false;
 #if defined(__AVX512BF16__)
 template <bool Add, class X, class Y>
 inline constexpr bool kEoForward = !Add && std::is_same_v<X, BFloat16> && std::is_same_v<Y, BFloat16>;
-// Two accumulators of even and odd lanes (elements 2l and 2l + 1 of 32) as accumulate_blocks' two blocks
-// (elements 0-15 and 16-31): each lane's sum moves whole, so the sums and their bits are those of the
-// single blocks.
-inline void eo_to_blocks(VF e, VF o, VF& a, VF& b) {
-  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  a = _mm512_permutex2var_ps(e, first, o);
-  b = _mm512_permutex2var_ps(e, second, o);
-}
 // The weight in the q lanes of each 32-element step below Hb (store_bf16_q: elements 0, 4, ..., 28, 1, 5,
 // ..., 29, then 2, 6, ..., 30, 3, 7, ..., 31), in the calling thread's buffer.
 inline const float* q_order(const float* w, int64_t Hb) {
@@ -166,8 +157,22 @@ inline const float* q_order(const float* w, int64_t Hb) {
     }
   return buf.data();
 }
-// The backward's bf16 rows at the AVX-512 BF16 levels (x, dy and dx bf16, with the fused residual's d_sum
-// too) in 32-element steps: every operand in the even and odd lanes (load_bf16_eo), the weight and dw's row
+#else
+template <bool Add, class X, class Y>
+inline constexpr bool kEoForward = false;
+#endif
+#if defined(__AVX512F__)
+// Two accumulators of even and odd lanes (elements 2l and 2l + 1 of 32) as accumulate_blocks' two blocks
+// (elements 0-15 and 16-31): each lane's sum moves whole, so the sums and their bits are those of the
+// single blocks.
+inline void eo_to_blocks(VF e, VF o, VF& a, VF& b) {
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  a = _mm512_permutex2var_ps(e, first, o);
+  b = _mm512_permutex2var_ps(e, second, o);
+}
+// The backward's bf16 rows at the AVX-512 levels (x, dy and dx bf16, with the fused residual's d_sum too) in
+// 32-element steps: every operand in the even and odd lanes (load_bf16_eo), the weight and dw's row
 // parked in those lanes for the call (eo_order, eo_row_order), each rounded product kept in its lanes
 // (round_bf16_eo_kept), dx stored by store_bf16_eo. The same values, so the same bits.
 template <class X, class Y>
@@ -198,8 +203,6 @@ inline const float* eo_order(const float* w, int64_t n) {
   return buf.data();
 }
 #else
-template <bool Add, class X, class Y>
-inline constexpr bool kEoForward = false;
 template <class X, class Y>
 inline constexpr bool kEoBackward = false;
 #endif
@@ -487,7 +490,7 @@ inline void bwd_second_tail(const BwdRow<Add, X, Y>& row, const A* grow, const A
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // bwd_first_block for elements p to p + 31 in the even and odd lanes (kEoBackward; we and dw in those lanes):
 // the dot product's sums of the even elements into a0, of the odd ones into a1.
 template <bool Add, class X, class Y>
@@ -637,7 +640,7 @@ void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, c
   // those lanes for the call, dw put back at its end; the blocks past Hg single, in the row's order.
   [[maybe_unused]] const int64_t Hg = Hb - Hb % (4 * kBlock);
   [[maybe_unused]] const A* we = nullptr;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if constexpr (kEoBackward<X, Y>) {
     we = eo_order(w, Hg);
     eo_row_order(dw, Hg, true);
@@ -657,7 +660,7 @@ void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, c
       };
       V acc;
       if constexpr (kEoBackward<X, Y>) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
         acc = accumulate_pairs(
             Hb,
             [&](auto p, VF& a0, VF& a1) {
@@ -678,7 +681,7 @@ void bwd_rows_piped(const Y* dy, int64_t dys, const X* d_sum, int64_t d_sum_s, c
     }
     if (second) bwd_second_tail<Add, X, Y, A>(prev, nullptr, w, c, prev_r, Hb, H);
   }
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if constexpr (kEoBackward<X, Y>) eo_row_order(dw, Hg, false);
 #endif
 }

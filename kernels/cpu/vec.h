@@ -360,6 +360,16 @@ inline void store_words_32(BFloat16* p, __m512i v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/// 32 bf16 elements from one 64-byte load, widened by a shift and a mask: e holds the even elements 0, 2,
+/// ..., 30, o the odd ones (no shuffle; described with the steps below).
+inline void load_bf16_eo(const BFloat16* p, VF& e, VF& o) {
+  const __m512i u = _mm512_loadu_si512(p);
+  e = (VF)_mm512_slli_epi32(u, 16);
+  o = (VF)_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // 32 bf16 elements a step at the AVX-512 BF16 levels, for elementwise rows bound by port 5 (the one port that
 // shuffles on Intel cores, where vcvtneps2bf16 also takes two micro-ops of it; docs/performance.md, "bf16
@@ -370,11 +380,6 @@ inline void store_words_32(BFloat16* p, __m512i v) {
 // 0, 4, ..., 28, 1, 5, ..., 29 of a row loaded by load_bf16_eo, b 2, 6, ..., 30, 3, 7, ..., 31);
 // store_bf16_q rounds blocks in the q lanes and stores the 32 elements in order (one shuffle). A kernel
 // keeps every operand of one operation in the same lanes; the values are those of the single blocks.
-inline void load_bf16_eo(const BFloat16* p, VF& e, VF& o) {
-  const __m512i u = _mm512_loadu_si512(p);
-  e = (VF)_mm512_slli_epi32(u, 16);
-  o = (VF)_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-}
 /// e and o rounded to bf16 (round_block's values), in the lanes described above (a: from e's lanes 0, 2,
 /// ..., 14 and o's 0, 2, ..., 14; b: the odd lanes of each).
 inline void round_bf16_eo(VF e, VF o, VF& a, VF& b) {
@@ -382,10 +387,10 @@ inline void round_bf16_eo(VF e, VF o, VF& a, VF& b) {
   a = (VF)_mm512_slli_epi32(c, 16);
   b = (VF)_mm512_and_si512(c, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
 }
-/// e and o rounded to bf16 (round_block's values) and kept in their lanes: the conversion's words put in
-/// memory order, as store_bf16_eo stores them, and widened as load_bf16_eo widens a load (one shuffle where
-/// round_block takes two a block). For rows whose every operand sits in the even and odd lanes (RMSNorm's
-/// backward: a rounded product meets operands loaded by load_bf16_eo).
+/// e and o rounded to bf16 (round_block_arith's values: round_block's at this level) and kept in their lanes:
+/// the conversion's words put in memory order, as store_bf16_eo stores them, and widened as load_bf16_eo
+/// widens a load (one shuffle where round_block takes two a block). For rows whose every operand sits in the
+/// even and odd lanes (RMSNorm's backward: a rounded product meets operands loaded by load_bf16_eo).
 inline void round_bf16_eo_kept(VF& e, VF& o) {
   const __m512i back = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -414,6 +419,26 @@ inline void store_bf16_eo(BFloat16* p, VF e, VF o) {
   store_bf16_words<Stream>(p, e, o,
                            _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
                                             7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0));
+}
+#elif defined(__AVX512F__)
+// The even and odd lanes at avx512 (no bf16 conversion): the roundings in integer instructions, as
+// round_block_arith and pack16 round a block, each lane in place, so no shuffle at all.
+/// e and o rounded to bf16 in their lanes: round_block_arith's values (for blocks computed by arithmetic from
+/// bf16 elements and finite constants).
+inline void round_bf16_eo_kept(VF& e, VF& o) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  e = (VF)_mm512_and_si512(bf16_round_bits(e), high);
+  o = (VF)_mm512_and_si512(bf16_round_bits(o), high);
+}
+/// Rounds e and o (the even and odd lanes of load_bf16_eo) and stores the 32 elements in order, pack16's bits
+/// (a NaN lane 0xffff): element 2l is e's lane l's high half, moved down by a shift, element 2l + 1 o's lane
+/// l's high half, joined by one ternary-logic instruction.
+template <bool Stream>
+inline void store_bf16_eo(BFloat16* p, VF e, VF o) {
+  const __m512i ones = _mm512_set1_epi32(-1), high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m512i lo = _mm512_mask_srli_epi32(ones, ordered(e), bf16_round_bits(e), 16);
+  const __m512i hi = _mm512_mask_mov_epi32(ones, ordered(o), bf16_round_bits(o));
+  store_words_32<Stream>(p, _mm512_ternarylogic_epi32(hi, lo, high, 0xe4));
 }
 #endif
 

@@ -252,6 +252,29 @@ void bf16_nan_has_torchs_bits(const Case& c) {
   expect_torchs_nans(kernmap::silu(x), at::silu(x), "silu");
   expect_torchs_nans(kernmap::silu_and_mul(x, u), at::silu(x) * u, "silu_and_mul");
   expect_torchs_nans(kernmap::rms_norm(x, w, 1e-6), kernmap::reference::rms_norm(x, w, 1e-6), "rms_norm");
+  // The fused add's backward: a NaN of the residual's gradient stays in its element (dx = round(dx) + d_sum),
+  // next to finite ones, in even and odd elements of the 32-element steps and in the single block after them
+  // (H 80); a NaN in x makes its row's rstd NaN and the row's dx NaN by arithmetic (a NaN whose low bits a
+  // rounding without the NaN select would carry into); 96 rows, three a weight-gradient block, so that the
+  // pipelined loop's second pass runs.
+  const int64_t rows = 96, H = 80;
+  at::Tensor gs = at::randn({rows, H}, at::kDouble);
+  gs[4][3] = nan;
+  gs[7][10] = -nan;
+  gs[50][33] = nan;
+  gs[50][34] = -nan;
+  gs[95][69] = nan;
+  gs = gs.to(c.dtype);
+  at::Tensor xs = randn({rows, H}, c.dtype);
+  xs[30][5] = nan;
+  const at::Tensor rs = randn({rows, H}, c.dtype), gy = randn({rows, H}, c.dtype);
+  const at::Tensor wh = norm_weight(H, c.dtype);
+  at::Tensor xg = xs.clone().requires_grad_(true);
+  auto [y, sum] = kernmap::add_rms_norm(xg, rs, wh, 1e-6);
+  torch::autograd::backward({y, sum}, {gy, gs});
+  at::Tensor want = gs.to(at::kFloat);
+  want[30] = nan;
+  expect_torchs_nans(xg.grad(), want, "add_rms_norm's dx");
 }
 
 // rms_norm's backward under an fp32 weight holding NaNs whose low 16 bits are set (0x7fffffff, 0xffffffff):
