@@ -141,8 +141,8 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
       store_bf16_pair<Stream>(dxr + p, d[0] * dsilu(v[0]), d[1] * dsilu(v[1]));
     });
     if constexpr (kGatherable<T>) {
-#if defined(__AVX512BF16__)
-      // 32 gates a step in even and odd lanes, dy too, the products rounded two blocks a conversion.
+#if defined(__AVX512F__)
+      // 32 gates a step in even and odd lanes, dy too (store_bf16_eo rounds the products).
       for (; gt && i + 2 * kBlock <= nb; i += 2 * kBlock) {
         fetch_ahead(dyr + i);
         fetch_ahead(xr + i);
@@ -214,9 +214,9 @@ void silu_and_mul_rows(const T* g, int64_t gs, const T* u, int64_t us, T* y, int
                               round_block_arith<T>(silu_rounded_to<T>(a[1])) * b[1]);
     });
     if constexpr (kGatherable<T>) {
-#if defined(__AVX512BF16__)
-      // 32 gates a step in even and odd lanes, up too, the products rounded two blocks a conversion
-      // (store_bf16_eo), then a block of 16.
+#if defined(__AVX512F__)
+      // 32 gates a step in even and odd lanes, up too, the products rounded by store_bf16_eo, then a block
+      // of 16.
       for (; gt && i + 2 * kBlock <= nb; i += 2 * kBlock) {
         fetch_ahead(gr + i);
         fetch_ahead(ur + i);

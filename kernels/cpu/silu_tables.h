@@ -225,9 +225,10 @@ inline __m512i gather_silu_packed_eo(__m512i even, __m512i odd, const uint16_t* 
   const __m512i e = _mm512_i32gather_epi32(even, table, 2), o = _mm512_i32gather_epi32(odd, table, 2);
   return _mm512_mask_blend_epi16(0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
 }
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 /// 32 products gather(gate) * v for the gates at g and the bf16 values at v, in even and odd lanes, rounded
-/// and stored in order at out (store_bf16_eo); gather(indices) gives 16 gates' table values as floats.
+/// and stored in order at out (store_bf16_eo: two blocks a conversion at the BF16 levels, each lane rounded
+/// in place at avx512); gather(indices) gives 16 gates' table values as floats.
 template <bool Stream, class Gather>
 inline void store_gathered_products_eo(BFloat16* out, const BFloat16* g, const BFloat16* v, Gather&& gather) {
   __m512i even, odd;
