@@ -320,24 +320,24 @@ void silu_and_mul_bwd_rows(const T* dy, int64_t dys, const T* g, int64_t gs, con
       store_bf16_pair<Stream>(dgr + p, g_grad[0], g_grad[1]);
     });
     if constexpr (kGatherable<T>) {
-#if defined(__AVX512BF16__)
-      // 32 gates a step: du = dy * x_sigmoid in even and odd lanes; dg = round(dy * u) * dsilu with the
-      // rounded products in the q lanes of round_bf16_eo and dsilu gathered by gates in those lanes.
+#if defined(__AVX512F__)
+      // 32 gates a step in even and odd lanes: du = dy * x_sigmoid; dg = round(dy * u) * dsilu, the rounded
+      // products kept in their lanes (round_bf16_eo_kept), so dsilu is gathered by the same gate indices.
       for (; gt && i + 2 * kBlock <= nb; i += 2 * kBlock) {
         fetch_ahead(dyr + i);
         fetch_ahead(gr + i);
         fetch_ahead(ur + i);
-        __m512i even, odd, qa, qb;
+        __m512i even, odd;
         gate_indices_eo(gr + i, even, odd);
-        gate_indices_q(gr + i, qa, qb);
-        VF de, dox, ue, uo, pa, pb;
+        VF de, dox, ue, uo;
         load_bf16_eo(dyr + i, de, dox);
         load_bf16_eo(ur + i, ue, uo);
         store_bf16_eo<Stream>(dur + i, de * gather_grad(even, &gt->grad[0].x_sigmoid),
                               dox * gather_grad(odd, &gt->grad[0].x_sigmoid));
-        round_bf16_eo(de * ue, dox * uo, pa, pb);
-        store_bf16_q<Stream>(dgr + i, pa * gather_grad(qa, &gt->grad[0].dsilu),
-                             pb * gather_grad(qb, &gt->grad[0].dsilu));
+        VF pe = de * ue, po = dox * uo;
+        round_bf16_eo_kept(pe, po);
+        store_bf16_eo<Stream>(dgr + i, pe * gather_grad(even, &gt->grad[0].dsilu),
+                              po * gather_grad(odd, &gt->grad[0].dsilu));
       }
 #endif
       for (; gt && i < nb; i += kBlock) {

@@ -209,16 +209,6 @@ inline void gate_indices_eo(const BFloat16* g, __m512i& even, __m512i& odd) {
   even = _mm512_and_si512(u, _mm512_set1_epi32(0xffff));
   odd = _mm512_srli_epi32(u, 16);
 }
-/// The gates of 32 bf16 at g as the indices of the q lanes round_bf16_eo leaves its results in (vec.h: a
-/// holds elements 0, 4, ..., 28, 1, 5, ..., 29, b 2, 6, ..., 30, 3, 7, ..., 31): the words put in the order
-/// of vcvtne2ps2bf16's result by one shuffle, then a mask and a shift, as round_bf16_eo widens.
-inline void gate_indices_q(const BFloat16* g, __m512i& a, __m512i& b) {
-  const __m512i evens_then_odds = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
-                                                   30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i c = _mm512_permutexvar_epi16(evens_then_odds, _mm512_loadu_si512(g));
-  a = _mm512_and_si512(c, _mm512_set1_epi32(0xffff));
-  b = _mm512_srli_epi32(c, 16);
-}
 /// The bf16 SiLU of 32 gates (gate_indices_eo), packed in order: each even gate's entry in the low half of
 /// its 32-bit word, each odd one's in the high half, by one word blend instead of two narrowings.
 inline __m512i gather_silu_packed_eo(__m512i even, __m512i odd, const uint16_t* table) {
