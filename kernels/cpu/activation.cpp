@@ -147,13 +147,13 @@ void silu_bwd_rows(const T* dy, int64_t dys, const T* x, int64_t xs, T* dx, int6
         fetch_ahead(dyr + i);
         fetch_ahead(xr + i);
         store_gathered_products_eo<Stream>(dxr + i, xr + i, dyr + i,
-                                           [&](__m512i idx) { return gather_grad(idx, &gt->grad[0].dsilu); });
+                                           [&](__m512i idx) { return gather_dsilu(idx, gt->dsilu); });
       }
 #endif
       for (; gt && i < nb; i += kBlock) {
         fetch_ahead(dyr + i);
         fetch_ahead(xr + i);
-        store_out<Stream>(dxr + i, load<A>(dyr + i) * gather_grad(gate_indices(xr + i), &gt->grad[0].dsilu));
+        store_out<Stream>(dxr + i, load<A>(dyr + i) * gather_dsilu(gate_indices(xr + i), gt->dsilu));
       }
     }
     for (; i < nb; i += kBlock) {
