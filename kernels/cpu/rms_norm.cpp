@@ -178,20 +178,21 @@ inline void eo_to_blocks(VF e, VF o, VF& a, VF& b) {
 template <class X, class Y>
 inline constexpr bool kEoBackward = (std::is_same_v<X, BFloat16> && std::is_same_v<Y, BFloat16>);
 // A float row's first n elements (n a multiple of 2 kBlock) into the even and odd lanes of load_bf16_eo
-// (each 32-element step's even elements, then its odd ones), or back (to_eo false), in place.
+// (each 32-element step's even elements, then its odd ones), or back (to_eo false: eo_to_blocks), in place.
 inline void eo_row_order(float* row, int64_t n, bool to_eo) {
-  float t[2 * kBlock];
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
   for (int64_t i = 0; i < n; i += 2 * kBlock) {
-    std::copy(row + i, row + i + 2 * kBlock, t);
-    for (int64_t k = 0; k < kBlock; ++k) {
-      if (to_eo) {
-        row[i + k] = t[2 * k];
-        row[i + kBlock + k] = t[2 * k + 1];
-      } else {
-        row[i + 2 * k] = t[k];
-        row[i + 2 * k + 1] = t[kBlock + k];
-      }
+    const VF a = load<float>(row + i), b = load<float>(row + i + kBlock);
+    VF u, v;
+    if (to_eo) {
+      u = _mm512_permutex2var_ps(a, evens, b);
+      v = _mm512_permutex2var_ps(a, odds, b);
+    } else {
+      eo_to_blocks(a, b, u, v);
     }
+    store(row + i, u);
+    store(row + i + kBlock, v);
   }
 }
 // The weight's first n elements in the even and odd lanes, in the calling thread's buffer.
