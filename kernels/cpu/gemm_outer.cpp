@@ -731,7 +731,7 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
   BFloat16* a_tiles = scratch<BFloat16, 4>(groups * steps * kTileRows * kTileK + kTileK);
   BFloat16* b_pairs = scratch<BFloat16, 5>(blocks * block_steps * kTileRows * kTileK);
   float* sums = steps > block_steps ? scratch<float, 6>(groups * blocks * kTileRows * kTileRows) : nullptr;
-  alignas(64) float out[4 * kTileRows * kTileRows];
+  alignas(64) float out[8 * kTileRows * kTileRows];
   // B's pairs in pair-row order where each of their tiles is loaded once (one or two groups of A: grad @ W
   // of up to 32 rows): pair_rows then writes them in the order it reads B, where the block-by-block order
   // scattered its stores over the blocks; grad @ W of gate_up at 16 rows a group, 2 threads, an Intel Xeon:
@@ -763,9 +763,9 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
   };
   auto park = [&](int64_t g, int64_t j) { return sums + (g * blocks + j) * kTileRows * kTileRows; };
   // Round the sums of `tiles` tiles of group g, blocks j, j + 1, ... (out's tiles t0, t0 + 1, ...) into C,
-  // row by row across the tiles (a streamed row of two tiles is one whole cache line), nothing past the
-  // edges: 16 columns in one vcvtneps2bf16, the columns past N masked, so every element is rounded alike
-  // whatever the call's N.
+  // row by row across the tiles (a streamed row of two tiles is one whole cache line, of four two), nothing
+  // past the edges: 16 columns in one vcvtneps2bf16, the columns past N masked, so every element is rounded
+  // alike whatever the call's N.
   auto write = [&](int t0, int tiles, int64_t g, int64_t j) {
     const int64_t rows = std::min(kTileRows, M - g * kTileRows);
     for (int64_t r = 0; r < rows; ++r)
@@ -803,16 +803,29 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
         if (last) write(0, 3, 0, j);
       }
     } else {
+      // Two passes (four blocks of columns) before the last block's sums go to C: group g's in out's tiles
+      // 0-3, group g + 1's in 4-7, so each row of C is streamed 64 columns (two cache lines, 128 bytes) at a
+      // time, not one line. The weight gradients write C at little more than half the streamed-write rate
+      // one line a row (rows 3-4 KiB apart); two lines a row ran near it: bf16 gate_up weight gradient (E128
+      // H2048 I768 T256), 2 threads, an Intel Xeon, 50.7-52.8 -> 37.4-38.9 ms (docs/performance.md, "AMX
+      // tiles", "AMX weight gradients: two lines a row"). Same passes, same sums: only the order of the
+      // passes and where the last block's sums wait change.
       for (int64_t g = 0; g < groups; g += 2)
-        for (int64_t j = 0; j < blocks; j += 2) {
+        for (int64_t j = 0; j < blocks; j += 4) {
           const TileRun a[2] = {a_run(g, s0), a_run(g + 1, s0)};
-          const TileRun b[2] = {b_run(j, n_steps), b_run(j + 1, n_steps)};
-          float* const start[4] = {from(g, j), from(g, j + 1), from(g + 1, j), from(g + 1, j + 1)};
-          float* const end[4] = {to(g, j, 0), to(g, j + 1, 1), to(g + 1, j, 2), to(g + 1, j + 1, 3)};
-          outer_pass_2x2(a, b, n_steps, start, end);
+          const int64_t passes = j + 2 < blocks ? 2 : 1;
+          for (int64_t h = 0; h < passes; ++h) {
+            const int64_t jh = j + 2 * h;
+            const TileRun b[2] = {b_run(jh, n_steps), b_run(jh + 1, n_steps)};
+            float* const start[4] = {from(g, jh), from(g, jh + 1), from(g + 1, jh), from(g + 1, jh + 1)};
+            const int t = 2 * static_cast<int>(h);
+            float* const end[4] = {to(g, jh, t), to(g, jh + 1, t + 1), to(g + 1, jh, t + 4),
+                                   to(g + 1, jh + 1, t + 5)};
+            outer_pass_2x2(a, b, n_steps, start, end);
+          }
           if (last) {
-            write(0, 2, g, j);
-            if (g + 1 < groups) write(2, 2, g + 1, j);
+            write(0, 2 * static_cast<int>(passes), g, j);
+            if (g + 1 < groups) write(4, 2 * static_cast<int>(passes), g + 1, j);
           }
         }
     }
