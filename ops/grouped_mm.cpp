@@ -13,6 +13,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -132,12 +134,39 @@ std::vector<Task> weight_grad_tiles(const std::vector<int64_t>& starts, int64_t 
   return tasks;
 }
 
+// MKL's per-thread thread count (MKL_Set_Num_Threads_Local: the C entry; the lower-case names take a
+// pointer), where torch's BLAS is MKL; null where it is not (no MKL in the LibTorch build).
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+// The BLAS calls of the calling thread made as on one intra-op thread, until destroyed: OpenMP's and MKL's
+// thread counts for this thread set to 1, then restored. Inside the two-thread tasks torch's BLAS ran on one
+// thread (a nested region) but still cut its work for two: oneDNN's bf16 products (and MKL's fp32 ones in the
+// transposed-weight backward) summed in another order than on one thread, so grouped_mm's results changed
+// with the thread count (bf16 grad_a of groups from 64 rows, K 130-2048; docs/performance.md, "Grouped
+// products: tasks and routing", "BLAS calls as on one thread").
+class SerialBlas {
+ public:
+  SerialBlas() : omp_(omp_get_max_threads()) {
+    omp_set_num_threads(1);
+    if (MKL_Set_Num_Threads_Local) mkl_ = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SerialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(mkl_);
+    omp_set_num_threads(omp_);
+  }
+  SerialBlas(const SerialBlas&) = delete;
+  SerialBlas& operator=(const SerialBlas&) = delete;
+
+ private:
+  int omp_, mkl_ = 0;
+};
+
 // Runs the tasks on the intra-op threads: each thread takes the next task not yet taken, largest first by
 // cost (default rows x columns) — uneven groups and the kernels' step-wise costs made any static split leave
 // one thread waiting (docs/performance.md, "Grouped products: tasks and routing"). Each task writes only its
 // own outputs, so who runs it does not change any result. One chunk per thread even when there are fewer
-// tasks, so the tasks always run inside the parallel region: a BLAS call made there is single-threaded, the
-// same as on one thread (bit-identical results).
+// tasks, so the tasks always run inside the parallel region, their BLAS calls as on one thread (SerialBlas):
+// bit-identical results at any thread count.
 void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Task&)>& f,
                const std::function<int64_t(const Task&)>& cost = {}) {
   const int64_t n = static_cast<int64_t>(tasks.size());
@@ -151,6 +180,7 @@ void run_tasks(const std::vector<Task>& tasks, const std::function<void(const Ta
   at::parallel_for(0, std::max<int64_t>(1, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     // Dispatcher state is per thread: pool threads must also run the tile products below autograd.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const SerialBlas serial_blas;
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) f(tasks[order[i]]);
   });
 }

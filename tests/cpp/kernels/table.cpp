@@ -352,7 +352,10 @@ const std::vector<Row>& kernel_table() {
       {.op = "grouped_mm_thread_count",
        .shapes = {{.sizes = {{"K", 301}, {"N", 250}}, .groups = {9, 0, 17, 33, 1, 40, 22}},
                   // Groups past 64 rows: gemm_nt (several passes) below the level's BLAS routing, BLAS above.
-                  {.sizes = {{"K", 131}, {"N", 250}}, .groups = {200, 70, 0, 300}}},
+                  {.sizes = {{"K", 131}, {"N", 250}}, .groups = {200, 70, 0, 300}},
+                  // bf16 groups through torch's BLAS (oneDNN) with a long reduction: inside the two-thread
+                  // tasks it summed in another order than on one thread until its calls were made serial.
+                  {.sizes = {{"K", 2048}, {"N", 64}}, .groups = {70, 0, 200}}},
        .layouts = {""},
        .check = grouped_mm_same_bits_at_any_thread_count},
       // The quads form: a row's bits whatever the group's size (fp32, bf16; K odd and past a line).
@@ -367,7 +370,10 @@ const std::vector<Row>& kernel_table() {
        .shapes = {{.sizes = {{"K", 70}, {"N", 131}}, .groups = {0, 1, 2, 15, 16, 17, 63, 64, 200, 1100}},
                   // A reduction long enough that the weight gradient's tasks take fewer than 512 rows (their
                   // packed copy of x^T within 8 MiB: 174 rows at 12000 fp32 steps).
-                  {.sizes = {{"K", 300}, {"N", 40}}, .groups = {0, 12000, 7}}},
+                  {.sizes = {{"K", 300}, {"N", 40}}, .groups = {0, 12000, 7}},
+                  // grad_a of bf16 groups through BLAS where its blocking depends on the thread count it is
+                  // told (oneDNN, N 1024; fp32 through MKL in the b_EKN layout): SerialBlas.
+                  {.sizes = {{"K", 130}, {"N", 1024}}, .groups = {100, 64, 3, 300}}},
        .layouts = {"b_EKN", "b_ENK_transposed"},
        .check = grouped_mm_backward_within_float64_bound_and_thread_count_free},
       {.op = "gemm_bcast",
