@@ -763,9 +763,9 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
   };
   auto park = [&](int64_t g, int64_t j) { return sums + (g * blocks + j) * kTileRows * kTileRows; };
   // Round the sums of `tiles` tiles of group g, blocks j, j + 1, ... (out's tiles t0, t0 + 1, ...) into C,
-  // row by row across the tiles (a streamed row of two tiles is one whole cache line, of four two), nothing
-  // past the edges: 16 columns in one vcvtneps2bf16, the columns past N masked, so every element is rounded
-  // alike whatever the call's N.
+  // row by row across the tiles (a streamed row of two tiles is one whole cache line, of four tiles two),
+  // nothing past the edges: 16 columns in one vcvtneps2bf16, the columns past N masked, so every element is
+  // rounded alike whatever the call's N.
   auto write = [&](int t0, int tiles, int64_t g, int64_t j) {
     const int64_t rows = std::min(kTileRows, M - g * kTileRows);
     for (int64_t r = 0; r < rows; ++r)
@@ -813,19 +813,19 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
       for (int64_t g = 0; g < groups; g += 2)
         for (int64_t j = 0; j < blocks; j += 4) {
           const TileRun a[2] = {a_run(g, s0), a_run(g + 1, s0)};
-          const int64_t passes = j + 2 < blocks ? 2 : 1;
-          for (int64_t h = 0; h < passes; ++h) {
+          const int passes = j + 2 < blocks ? 2 : 1;
+          for (int h = 0; h < passes; ++h) {
             const int64_t jh = j + 2 * h;
             const TileRun b[2] = {b_run(jh, n_steps), b_run(jh + 1, n_steps)};
             float* const start[4] = {from(g, jh), from(g, jh + 1), from(g + 1, jh), from(g + 1, jh + 1)};
-            const int t = 2 * static_cast<int>(h);
+            const int t = 2 * h;
             float* const end[4] = {to(g, jh, t), to(g, jh + 1, t + 1), to(g + 1, jh, t + 4),
                                    to(g + 1, jh + 1, t + 5)};
             outer_pass_2x2(a, b, n_steps, start, end);
           }
           if (last) {
-            write(0, 2 * static_cast<int>(passes), g, j);
-            if (g + 1 < groups) write(4, 2 * static_cast<int>(passes), g + 1, j);
+            write(0, 2 * passes, g, j);
+            if (g + 1 < groups) write(4, 2 * passes, g + 1, j);
           }
         }
     }
