@@ -231,17 +231,24 @@ using Packed16 = __m256i;
 #else
 using Packed16 = __m128i;
 #endif
-inline Packed16 pack16(VF v, BFloat16) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#elif defined(__AVX512F__)
-  // Each lane's high half gathered into the low 32 bytes by one vpermw (a shift and vpmovdw took three
-  // micro-ops on Intel cores); word l of the result is lane l's, so the ordered mask masks it, NaN lanes
-  // keeping the all-ones source.
+#if defined(__AVX512F__)
+// A block rounded to bfloat16 with to_bf16's bits (a NaN lane 0xffff, subnormals rounded), packed into 32
+// bytes: each lane's high half gathered by one vpermw (a shift and vpmovdw took three micro-ops on Intel
+// cores); word l of the result is lane l's, so the ordered mask masks it, NaN lanes keeping the all-ones
+// source. pack16's form below the BF16 levels; at them, where its bits must not change (the AMX forward's
+// writes, kernels/cpu/gemm_nt.cpp).
+inline __m256i pack_bf16_exact(VF v) {
   const __m512i high = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27,
                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
   return _mm512_castsi512_si256(
       _mm512_mask_permutexvar_epi16(_mm512_set1_epi32(-1), ordered(v), high, bf16_round_bits(v)));
+}
+#endif
+inline Packed16 pack16(VF v, BFloat16) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#elif defined(__AVX512F__)
+  return pack_bf16_exact(v);
 #else
   // Each lane's high half gathered into the low 8 bytes of its 128-bit half, then the two halves' 8 bytes
   // joined: two shuffles (a shift, an extract and a pack took three).
