@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/amx.h"
 #include "kernels/cpu/cache.h"
+#include "kernels/cpu/lanes.h"
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
@@ -647,6 +648,36 @@ void row_blocks(int64_t M, Block&& block) {
 // sums, tmm3-5 B, tmm6 A), or groups in pairs against 2 blocks (tmm0-3, tmm4-5 B, tmm6-7 A); blocks and
 // groups past the edge are zero tiles read with a zero stride.
 
+// A's tiles where A is read across its rows (a_m = 1: the weight gradients' x^T, its element (m, p) at
+// x[p][m]): tile (g, s) row r = A(16g + r, 32s + i), i < 32, zero past M and P. Eight columns of m at a time:
+// register k holds rows p = 32s + k + 8q of x in lane q (masked: nothing read past M or P), the lanes' 8 x 8
+// blocks transposed (kernels/cpu/lanes.h), and register j is then tile row c0 + j whole: one store. Element
+// by element the copy took about 3 ms of gate_up's and of down_proj's bf16 weight gradients at E128 k8 H2048
+// I768 T256, 2 threads, an Intel Xeon (cut-out builds; docs/performance.md, "AMX tiles").
+void pack_tiles_across(const BFloat16* A, int64_t a_p, int64_t M, int64_t P, int64_t groups, int64_t steps,
+                       BFloat16* a_tiles) {
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t c0 = g * kTileRows + 8 * h, p0 = s * kTileK;
+        const int64_t cols = std::clamp<int64_t>(M - c0, 0, 8);
+        const auto cmask = static_cast<__mmask8>((1u << cols) - 1);
+        Words a[8], out[8];
+        for (int k = 0; k < 8; ++k) {
+          auto lane = [&](int q) {
+            const int64_t p = p0 + k + 8 * q;
+            return p < P && cols > 0 ? _mm_maskz_loadu_epi16(cmask, A + p * a_p + c0) : _mm_setzero_si128();
+          };
+          a[k] = _mm512_inserti32x4(
+              _mm512_inserti32x4(_mm512_inserti32x4(_mm512_zextsi128_si512(lane(0)), lane(1), 1), lane(2), 2),
+              lane(3), 3);
+        }
+        transpose_words_8x8(a, out);
+        BFloat16* t = a_tiles + ((g * steps + s) * kTileRows + 8 * h) * kTileK;
+        for (int j = 0; j < 8; ++j) _mm512_storeu_si512(t + j * kTileK, out[j]);
+      }
+}
+
 // Rows [p0, p0 + steps * 32) of B (zero past P and past N) as pairs: block j's pair row q at
 // out + (j * steps * 16 + q) * 32, or with `rows_major` at out + (q * blocks + j) * 32 (each pair row's
 // blocks side by side, written in the order they are read; a block's tile then has rows blocks * 64 bytes
@@ -739,17 +770,20 @@ void amx_outer(const BFloat16* A, int64_t a_m, int64_t a_p, const BFloat16* B, i
   // level-1 sets: the weight gradients (dozens of groups) ran 52.4 against 56.9 ms in the block order.
   const bool rows_major = groups <= 2;
   // A: tile (g, s) row r holds A(16g + r, 32s + i), i < 32; then one zero row (missing groups and blocks).
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      const int64_t m = g * kTileRows + r;
-      for (int64_t s = 0; s < steps; ++s) {
-        BFloat16* t = a_tiles + ((g * steps + s) * kTileRows + r) * kTileK;
-        for (int64_t i = 0; i < kTileK; ++i) {
-          const int64_t p = s * kTileK + i;
-          t[i] = m < M && p < P ? A[m * a_m + p * a_p] : BFloat16{};
+  if (a_m == 1)
+    pack_tiles_across(A, a_p, M, P, groups, steps, a_tiles);
+  else
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const int64_t m = g * kTileRows + r;
+        for (int64_t s = 0; s < steps; ++s) {
+          BFloat16* t = a_tiles + ((g * steps + s) * kTileRows + r) * kTileK;
+          for (int64_t i = 0; i < kTileK; ++i) {
+            const int64_t p = s * kTileK + i;
+            t[i] = m < M && p < P ? A[m * a_m + p * a_p] : BFloat16{};
+          }
         }
       }
-    }
   const BFloat16* zeros = a_tiles + groups * steps * kTileRows * kTileK;
   std::memset(const_cast<BFloat16*>(zeros), 0, kTileK * sizeof(BFloat16));
   auto a_run = [&](int64_t g, int64_t s0) -> TileRun {

@@ -73,6 +73,7 @@ void gemm_bcast_independent_of_row_split_and_streaming(const Case& c);
 void gemm_bcast_task_rows_bound_their_scratch(const Case& c);
 void gemm_bcast_short_reductions_match_small_calls(const Case& c);
 void gemm_bcast_independent_of_block_length(const Case& c);
+void gemm_bcast_reads_nothing_past_its_operands(const Case& c);
 
 // combine_checks.cpp: the MoE combine kernels and the Experts op.
 /// Sizes H, k; layouts <unweighted|weighted|weighted_rounded>_<out_input|out_acc>.

@@ -3,8 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "kernels/cpu/cache.h"
 #include "kernels/cpu/isa.h"
@@ -61,14 +66,42 @@ Operands make_run(const Case& c, int64_t c_pad) {
   return r;
 }
 
-void call(Operands& r, at::ScalarType dt, int64_t m0, int64_t m1, bool stream) {
+// Rows [m0, m1) of C through the kernel, A and B read from `a` and `b` (the padded buffers unless named).
+void call(Operands& r, at::ScalarType dt, int64_t m0, int64_t m1, bool stream, const void* a_data = nullptr,
+          const void* b_data = nullptr) {
   const int64_t es = r.a_store.element_size();
-  const char* a = static_cast<const char*>(r.a_store.const_data_ptr());
+  const char* a = static_cast<const char*>(a_data ? a_data : r.a_store.const_data_ptr());
   const int64_t a_m = r.a_transposed ? 1 : r.lda, a_p = r.a_transposed ? r.lda : 1;
-  kernmap::cpu::kernel_table().gemm_bcast(
-      kernmap::ops::cpu_dtype(dt), m1 - m0, r.N, r.P, a + m0 * a_m * es, a_m, a_p, r.b_store.const_data_ptr(),
-      r.ldb, static_cast<char*>(r.c_store.data_ptr()) + m0 * r.ldc * es, r.ldc, stream);
+  kernmap::cpu::kernel_table().gemm_bcast(kernmap::ops::cpu_dtype(dt), m1 - m0, r.N, r.P, a + m0 * a_m * es,
+                                          a_m, a_p, b_data ? b_data : r.b_store.const_data_ptr(), r.ldb,
+                                          static_cast<char*>(r.c_store.data_ptr()) + m0 * r.ldc * es, r.ldc,
+                                          stream);
 }
+
+// A copy of the first `bytes` of `t` that ends exactly where a page the process may not touch begins: a read
+// past its end faults.
+class GuardedCopy {
+ public:
+  GuardedCopy(const at::Tensor& t, size_t bytes) {
+    const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    span_ = (bytes + page - 1) / page * page + page;
+    base_ =
+        static_cast<char*>(mmap(nullptr, span_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    if (base_ == MAP_FAILED || mprotect(base_ + span_ - page, page, PROT_NONE) != 0)
+      throw std::runtime_error("GuardedCopy: mmap or mprotect failed");
+    data_ = base_ + span_ - page - bytes;
+    std::memcpy(data_, t.const_data_ptr(), bytes);
+  }
+  GuardedCopy(const GuardedCopy&) = delete;
+  GuardedCopy& operator=(const GuardedCopy&) = delete;
+  ~GuardedCopy() { munmap(base_, span_); }
+  const void* data() const { return data_; }
+
+ private:
+  char* base_ = nullptr;
+  char* data_ = nullptr;
+  size_t span_ = 0;
+};
 
 // Each element: fp32 sums of exact products (P roundings at most), then one rounding to the dtype; plus
 // `floor`.
@@ -152,6 +185,21 @@ void gemm_bcast_independent_of_block_length(const Case& c) {
         << name << "=" << streams << ": max error " << err.max().item<double>();
     EXPECT_TRUE(capped.c_store.slice(1, capped.N).isnan().all().item<bool>());
   }
+}
+
+// Nothing read past the operands: A and B copied so that each ends with its last element (the last row
+// holds only its M or P, and N, elements) where a page the process may not touch begins, at sizes that leave
+// partial tiles, vectors, pairs and steps. A read past the end faults; the results within the float64 bound.
+void gemm_bcast_reads_nothing_past_its_operands(const Case& c) {
+  Operands r = make_run(c, 7);
+  const auto es = static_cast<size_t>(r.a_store.element_size());
+  const int64_t a_rows = r.a_transposed ? r.P : r.M, a_cols = r.a_transposed ? r.M : r.P;
+  const GuardedCopy a(r.a_store, ((a_rows - 1) * r.lda + a_cols) * es);
+  const GuardedCopy b(r.b_store, ((r.P - 1) * r.ldb + r.N) * es);
+  call(r, c.dtype, 0, r.M, /*stream=*/false, a.data(), b.data());
+  const at::Tensor want = at::mm(r.A.to(at::kDouble), r.B.to(at::kDouble));
+  const at::Tensor err = (written(r).to(at::kDouble) - want).abs();
+  EXPECT_TRUE(err.le(bound_of(r, c.dtype)).all().item<bool>()) << "max error " << err.max().item<double>();
 }
 
 // The weight gradients' task sizes (gemm_bcast_task_rows) at this level: at least one row of C, at most 512

@@ -423,6 +423,11 @@ const std::vector<Row>& kernel_table() {
        .shapes = {Shape{}},
        .layouts = {""},
        .check = gemm_bcast_task_rows_bound_their_scratch},
+      // M, N and P around the tiles' 16 rows and columns and 32 steps, the vectors' 16 and the pairs' 2.
+      {.op = "gemm_bcast_edge_reads",
+       .shapes = grid({{"M", {1, 7, 17, 33}}, {"N", {5, 17, 130}}, {"P", {1, 3, 33, 70}}}),
+       .layouts = {"A", "At"},
+       .check = gemm_bcast_reads_nothing_past_its_operands},
       {.op = "gemm_bcast_short_reductions",
        .shapes = short_reduction_shapes(),
        .layouts = {},
