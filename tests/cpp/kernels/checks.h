@@ -63,6 +63,7 @@ void grouped_mm_small_groups_within_float64_bound(const Case& c);
 void grouped_mm_non_finite_stays_in_its_row_and_column(const Case& c);
 void grouped_mm_same_bits_at_any_thread_count(const Case& c);
 void gemm_nt_row_bits_independent_of_group_size(const Case& c);
+void gemm_nt_reads_nothing_past_its_operands(const Case& c);
 /// Sizes K, N, groups; layouts "b_EKN", "b_ENK_transposed".
 void grouped_mm_backward_within_float64_bound_and_thread_count_free(const Case& c);
 

@@ -15,6 +15,7 @@
 #include "kernels/cpu/isa.h"
 #include "ops/checks.h"
 #include "tests/cpp/kernels/checks.h"
+#include "tests/cpp/kernels/guarded.h"
 
 namespace kernmap::testing {
 namespace {
@@ -77,31 +78,6 @@ void call(Operands& r, at::ScalarType dt, int64_t m0, int64_t m1, bool stream, c
                                           static_cast<char*>(r.c_store.data_ptr()) + m0 * r.ldc * es, r.ldc,
                                           stream);
 }
-
-// A copy of the first `bytes` of `t` that ends exactly where a page the process may not touch begins: a read
-// past its end faults.
-class GuardedCopy {
- public:
-  GuardedCopy(const at::Tensor& t, size_t bytes) {
-    const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    span_ = (bytes + page - 1) / page * page + page;
-    base_ =
-        static_cast<char*>(mmap(nullptr, span_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-    if (base_ == MAP_FAILED || mprotect(base_ + span_ - page, page, PROT_NONE) != 0)
-      throw std::runtime_error("GuardedCopy: mmap or mprotect failed");
-    data_ = base_ + span_ - page - bytes;
-    std::memcpy(data_, t.const_data_ptr(), bytes);
-  }
-  GuardedCopy(const GuardedCopy&) = delete;
-  GuardedCopy& operator=(const GuardedCopy&) = delete;
-  ~GuardedCopy() { munmap(base_, span_); }
-  const void* data() const { return data_; }
-
- private:
-  char* base_ = nullptr;
-  char* data_ = nullptr;
-  size_t span_ = 0;
-};
 
 // Each element: fp32 sums of exact products (P roundings at most), then one rounding to the dtype; plus
 // `floor`.

@@ -14,6 +14,7 @@
 #include "kernmap/ops.h"
 #include "ops/checks.h"
 #include "tests/cpp/kernels/checks.h"
+#include "tests/cpp/kernels/guarded.h"
 
 namespace kernmap::testing {
 namespace {
@@ -122,6 +123,22 @@ void gemm_nt_row_bits_independent_of_group_size(const Case& c) {
     for (int64_t r = 0; r < M; ++r)
       ASSERT_TRUE(at::equal(y.slice(0, r, r + 1), alone[r])) << "M = " << M << ", row " << r;
   }
+}
+
+// Nothing read past the operands: A [M, K] and B [N, K], rows K apart, each copied to end where a page the
+// process may not touch begins (a read past it faults), at sizes around every form's blocks: the tiles' 16
+// rows (N 16 and 48: whole blocks read from B itself) and 32-element steps (K 50: a last step more than half
+// past K), the quads' 4, the lanes' 8 and 16, the dot blocks' 3 and 4; the result against at::mm in float64.
+void gemm_nt_reads_nothing_past_its_operands(const Case& c) {
+  const int64_t M = c["M"], N = c["N"], K = c["K"];
+  const auto dt = kernmap::ops::cpu_dtype(c.dtype);
+  const at::Tensor a = randn({M, K}, c.dtype), b = randn({N, K}, c.dtype);
+  const auto es = static_cast<size_t>(a.element_size());
+  const GuardedCopy ga(a, M * K * es), gb(b, N * K * es);
+  at::Tensor y = at::empty({M, N}, c.dtype);
+  kernmap::cpu::kernel_table().gemm_nt(dt, M, N, K, ga.data(), K, gb.data(), K, y.data_ptr(), N);
+  const double tol = c.dtype == at::kDouble ? 1e-12 : c.dtype == at::kFloat ? 1e-4 : 2e-2;
+  EXPECT_TRUE(at::allclose(y.to(at::kDouble), at::mm(a.to(at::kDouble), b.to(at::kDouble).t()), tol, tol));
 }
 
 // Each output element is summed in one order whatever the thread count (the column tiles per task change with

@@ -364,6 +364,10 @@ const std::vector<Row>& kernel_table() {
        .layouts = {""},
        .check = gemm_nt_row_bits_independent_of_group_size,
        .dtypes = {at::kFloat, at::kBFloat16}},
+      {.op = "gemm_nt_edge_reads",
+       .shapes = grid({{"M", {1, 3, 5, 17, 33}}, {"N", {1, 7, 16, 17, 48, 50}}, {"K", {1, 15, 33, 50, 70}}}),
+       .layouts = {""},
+       .check = gemm_nt_reads_nothing_past_its_operands},
       // Group sizes around every block and the bf16 BLAS threshold (64 rows), an empty group, and one long
       // enough for the fp32 weight gradient's reduction blocks in the row order below 2 MiB of L2 (1100).
       {.op = "grouped_mm_backward",
