@@ -156,6 +156,10 @@ int64_t prefetch_streams() {
   return cpu;
 }
 
+bool fetch_next_block(int64_t row_bytes) {
+  return prefetch_streams() == 0 || row_bytes <= 4096;
+}
+
 bool bf16_gemm_native() {
   static const bool cpu = cpu_has_bf16_gemm();
   if (const char* v = std::getenv("KERNMAP_BF16_GEMM")) {

@@ -55,6 +55,15 @@ int64_t short_reduction_bytes(int64_t elem_size);
 /// docs/performance.md, "Reduction blocks within the L2 streamer's streams".
 int64_t prefetch_streams();
 
+/// Whether a kernel that walks B's rows a few lines of each at a time, rows `row_bytes` apart, fetches its
+/// next block of rows into L2 by software (in memory order): where prefetch_streams is unknown, and where the
+/// rows are a page or less apart — the L2 streamer starts each page anew, and short rows give it no run to
+/// follow. Rows more than a page apart it follows on its own, and software fetches beside it ran slower. Read
+/// by the forward's blocks (kernels/cpu/gemm_nt.cpp) and by `grad @ W`'s reduction blocks at the AVX-512
+/// levels (kernels/cpu/gemm_outer.cpp); docs/performance.md, "Reduction blocks within the L2 streamer's
+/// streams".
+bool fetch_next_block(int64_t row_bytes);
+
 /// Whether torch's bf16 matrix product (at::mm and friends) runs at least at its fp32 rate: the CPU has bf16
 /// dot products (AVX512-BF16, AMX-BF16) or AVX-NE-CONVERT's widening loads, which oneDNN uses. Elsewhere
 /// torch's bf16 product is far slower than its fp32 one: a scalar loop without AVX-512, oneDNN's software

@@ -118,20 +118,16 @@ constexpr int kRows = 16, kVectorRegisters = 16;
 constexpr int kTailLanes = 8;
 // Prefetch: each B row kPrefetchBytes ahead into L1, and the same position of the block below (the next
 // block, whose rows begin on fresh pages the hardware prefetchers have not seen) into L2 — the latter where
-// fetch_next_block says (below). Where the L2 streamer's stream count is known (prefetch_streams,
-// kernels/cpu/cache.h; Intel: 32) it follows a block's kBlockCols rows of more than a page on its own, and
-// the software fetches beside it made the fp32 forward slower: gate_up at 16 rows a group, 2 threads, an
-// Intel Xeon, avx512 87.2 -> 74.9 ms without them, avx2 106.0 -> 93.8 (docs/performance.md, "Reduction
-// blocks within the L2 streamer's streams").
+// fetch_next_block says (kernels/cpu/cache.h). Where the L2 streamer's stream count is known
+// (prefetch_streams, kernels/cpu/cache.h; Intel: 32) it follows a block's kBlockCols rows of more than a page
+// on its own, and the software fetches beside it made the fp32 forward slower: gate_up at 16 rows a group, 2
+// threads, an Intel Xeon, avx512 87.2 -> 74.9 ms without them, avx2 106.0 -> 93.8 (docs/performance.md,
+// "Reduction blocks within the L2 streamer's streams").
 constexpr int kPrefetchBytes = 256;
 
-// Whether the blocks fetch the next block of B's rows into L2 by software: where the L2 streamer's streams
-// are unknown, and where B's rows (`row_bytes` read of each) are a page or less — the streamer starts each
-// page anew, and short rows give it no run to follow (down_proj's forward, rows of 768: avx512 bf16 35.8 ms
-// fetched against 44.1 not, avx2 fp32 58.0 against 67.4).
-inline bool fetch_next_block(int64_t row_bytes) {
-  return prefetch_streams() == 0 || row_bytes <= 4096;
-}
+// The blocks fetch the next block of B's rows into L2 where fetch_next_block (kernels/cpu/cache.h) says:
+// down_proj's forward, rows of 768, avx512 bf16 35.8 ms fetched against 44.1 not, avx2 fp32 58.0
+// against 67.4.
 
 // B rows per block: 6 streams. B rows of power-of-two length fall into the same L1 set (K = 2048 fp32: 8 KiB
 // apart), so more rows than the set has ways evict each other's lines before they are used up

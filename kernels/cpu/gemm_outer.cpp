@@ -881,10 +881,15 @@ void outer_blocks(const T* A_in, int64_t a_m, int64_t a_p, const T* B, int64_t l
   // gradient checks) in one pass. The sums are the same either way: each element adds its products in order
   // of p.
   const int64_t block_p = reduction_block_steps(Nw * int64_t(sizeof(T)), ldb * int64_t(sizeof(T)));
-  // At the AVX-512 levels the next reduction block is fetched by software (below), except where the blocks
-  // are within the L2 streamer's streams (prefetch_streams): it fetches them, and the software fetches beside
-  // it made the blocks slower (an Intel Xeon, 32-step blocks: 104-106 against 90-92 ms).
-  const bool fetch_next = kFetchNextBlock && prefetch_streams() == 0;
+  // At the AVX-512 levels the next reduction block is fetched by software (below) where fetch_next_block
+  // says (kernels/cpu/cache.h): B's rows a page or less apart, or the L2 streamer's streams unknown. Rows
+  // further apart the streamer follows within the stream-capped blocks, and the software fetches beside it
+  // made them slower (an Intel Xeon, 32-step blocks: 104-106 against 90-92 ms; gate_up's `grad @ W` fp32,
+  // rows of 8 KiB, 98-103 against 110). Rows of 4 KiB and less ran faster fetched: `grad @ W` at 16 rows a
+  // group, 2 threads, fp32 down_proj (3 KiB) 59-61 -> 45-46 ms; bf16 at avx512 (widened) gate_up (4 KiB)
+  // 95-96 -> 83-85, down_proj 51 -> 41 (docs/performance.md, "Reduction blocks within the L2 streamer's
+  // streams").
+  const bool fetch_next = kFetchNextBlock && fetch_next_block(ldb * int64_t(sizeof(T)));
   const int64_t step_p = std::is_same_v<T, double> || P <= block_p ? std::max<int64_t>(P, 1) : block_p;
 #if defined(__AVX512BF16__)
   constexpr bool kDp = std::is_same_v<T, BFloat16> && kBcastVecs * kBlock == 64;
