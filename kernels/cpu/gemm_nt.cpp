@@ -19,6 +19,7 @@
 
 #include "kernels/cpu/amx.h"
 #include "kernels/cpu/cache.h"
+#include "kernels/cpu/lanes.h"
 #include "kernels/cpu/vec.h"
 
 namespace kernmap::cpu {
@@ -730,45 +731,21 @@ void amx_pass_2x2(const Block (&w)[2], const TileRun& a0, const TileRun& a1, int
   _tile_stored(3, out + 768, 64);
 }
 
-// A 16 x 16 fp32 block transposed in registers: r[i] holds row i on entry, column i on exit. Pairs of rows
-// interleaved, then quads (each 128-bit lane a 4 x 4 block), then the lanes moved as a 4 x 4 block of lanes:
-// 64 shuffles.
-inline void transpose_16x16(__m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-  }
-  // r[4q + j]'s lane l now holds rows 4q..4q+3 of column 4l + j.
-  for (int j = 0; j < 4; ++j) {
-    const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44),
-                 u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xee),
-                 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44),
-                 u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xee);
-    t[j] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-    t[4 + j] = _mm512_shuffle_f32x4(u0, u2, 0xdd);
-    t[8 + j] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-    t[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 // A tile of C^T (out[i * 16 + m]) written to C's rows m < rows, columns i < cols (c[m * ldc + i]), rounded
-// with to_bf16's bits: transposed in registers, each row one masked store. Element by element (a scalar
-// rounding and a 2-byte store each) the writes took 3 of gate_up's 36 ms and 4.5 of down_proj's 22 at
-// E128 k8 H2048 I768 T256 (docs/performance.md, "AMX tiles").
+// with to_bf16's bits: four column blocks of out transposed in registers (kernels/cpu/lanes.h: register k
+// holds rows k, k + 4, k + 8, k + 12 of four columns, one per lane), each column then a row of C, one masked
+// store. Element by element (a scalar rounding and a 2-byte store each) the writes took 3 of gate_up's 36 ms
+// and 4.5 of down_proj's 22 at E128 k8 H2048 I768 T256 (docs/performance.md, "AMX tiles").
 inline void write_transposed(const float* out, int64_t rows, int64_t cols, BFloat16* c, int64_t ldc) {
-  __m512 r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(out + i * kTileRows);
-  transpose_16x16(r);
+  const auto* words = reinterpret_cast<const uint32_t*>(out);
   const auto mask = static_cast<__mmask16>((1u << cols) - 1);
-  for (int64_t m = 0; m < rows; ++m) _mm256_mask_storeu_epi16(c + m * ldc, mask, pack_bf16_exact(r[m]));
+  for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+    Words a[4], col[4];
+    for (int k = 0; k < 4; ++k) a[k] = load_lanes(words + k * kTileRows + m0, 4 * kTileRows);
+    transpose_dwords_4x4(a, col);
+    for (int64_t j = 0; j < std::min<int64_t>(4, rows - m0); ++j)
+      _mm256_mask_storeu_epi16(c + (m0 + j) * ldc, mask, pack_bf16_exact(_mm512_castsi512_ps(col[j])));
+  }
 }
 
 // bf16 pairs for the activations' tiles: P[p][r] = A[r][2p] | A[r][2p+1] << 16, zero past K and in the

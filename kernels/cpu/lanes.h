@@ -1,6 +1,7 @@
-// Registers as 128-bit lanes of 16-bit or 32-bit words, and the 8 x 8 transpose of 16-bit words within each
-// lane, at the level's vector width: the matrix transpose (kernels/cpu/transpose.cpp) and the AMX tiles'
-// packing of A read across its rows (kernels/cpu/gemm_outer.cpp). Included by per-level sources only
+// Registers as 128-bit lanes of 16-bit or 32-bit words, and the transposes within each lane (8 x 8 16-bit
+// words, 4 x 4 32-bit ones), at the level's vector width: the matrix transpose (kernels/cpu/transpose.cpp),
+// the AMX tiles' packing of A read across its rows (kernels/cpu/gemm_outer.cpp) and the AMX forward's
+// writes of C^T tiles (kernels/cpu/gemm_nt.cpp). Included by per-level sources only
 // (KERNMAP_CPU_LEVEL names the level).
 #pragma once
 
@@ -98,6 +99,19 @@ inline void transpose_words_8x8(const Words (&a)[8], Words (&out)[8]) {
   for (int p = 0; p < 4; ++p) {
     out[2 * p] = unpack_lo64(c[p], c[p + 4]);
     out[2 * p + 1] = unpack_hi64(c[p], c[p + 4]);
+  }
+}
+
+// Four registers of 4 x 4 blocks of 32-bit words, one block a lane (register k holds row k of each block),
+// transposed in every lane: out[j] holds column j of each block, its rows in order.
+inline void transpose_dwords_4x4(const Words (&a)[4], Words (&out)[4]) {
+  // Words: b[0] rows 0, 1 of columns 0, 1; b[1] of columns 2, 3; b[2], b[3] the same of rows 2, 3.
+  const Words b[4] = {unpack_lo32(a[0], a[1]), unpack_hi32(a[0], a[1]), unpack_lo32(a[2], a[3]),
+                      unpack_hi32(a[2], a[3])};
+  // Pairs: column 2p from b[p] and b[p + 2]'s low halves, column 2p + 1 from their high halves.
+  for (int p = 0; p < 2; ++p) {
+    out[2 * p] = unpack_lo64(b[p], b[p + 2]);
+    out[2 * p + 1] = unpack_hi64(b[p], b[p + 2]);
   }
 }
 

@@ -43,14 +43,7 @@ inline void tile(const W* src, int64_t src_ld, int64_t r0, int64_t c0, Words (&o
   if constexpr (R == 8) {
     transpose_words_8x8(a, out);
   } else {
-    // Words: b[0] rows 0, 1 of columns 0, 1; b[1] of columns 2, 3; b[2], b[3] the same of rows 2, 3.
-    const Words b[4] = {unpack_lo32(a[0], a[1]), unpack_hi32(a[0], a[1]), unpack_lo32(a[2], a[3]),
-                        unpack_hi32(a[2], a[3])};
-    // Pairs: column 2p from b[p] and b[p + 2]'s low halves, column 2p + 1 from their high halves.
-    for (int p = 0; p < 2; ++p) {
-      out[2 * p] = unpack_lo64(b[p], b[p + 2]);
-      out[2 * p + 1] = unpack_hi64(b[p], b[p + 2]);
-    }
+    transpose_dwords_4x4(a, out);
   }
 }
 
